@@ -1,0 +1,114 @@
+"""meshtrain.comm: a collective-communication library with torch.distributed's API.
+
+Switch from torch.distributed by changing the import::
+
+    import meshtrain.comm as dist
+    dist.init()                      # under torchrun; or dist.run_local(4, fn) for threads
+    dist.all_reduce(t, op="sum", algorithm="ring")
+
+Transports: ``local`` (ranks are threads), ``torch`` (a torch.distributed ProcessGroup: gloo/NCCL).
+Algorithms: ring, tree, recursive_doubling, halving_doubling, hierarchical, direct, native, auto.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from .collectives import (all_gather, all_gather_into_tensor, all_reduce, broadcast, reduce,
+                          reduce_scatter, reduce_scatter_tensor)
+from .communicator import Communicator, Group, bind_process, current
+from .fusion import all_reduce_coalesced
+from .local_run import run_local
+from .p2p import irecv, isend, recv, send
+from .personalized import all_to_all, barrier, gather, scatter
+from .types import ReduceOp
+from .work import Work
+
+__all__ = [
+    "init", "destroy", "is_initialized", "run_local", "new_group", "get_rank", "get_world_size",
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "gather", "scatter", "barrier", "all_reduce_coalesced",
+    "send", "recv", "isend", "irecv", "stats", "reset_stats", "flight_recorder",
+    "dump_flight_recorder", "calibrate", "ReduceOp", "Work", "Group", "Communicator",
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
+]
+
+
+def init(transport: str = "torch", backend: str | None = None, timeout: float = 300.0,
+         check: bool = True, node_size: int | None = None) -> Communicator:
+    """Initialise this process's communicator from torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), or wrap torch.distributed's default group if it is initialised.
+
+    ``backend`` is gloo or nccl (default: nccl if CUDA is available, else gloo); ``timeout`` bounds
+    every collective; ``check`` turns the cross-rank metadata check on or off.
+    """
+    if transport not in ("torch", "auto"):
+        raise ValueError(f"unknown transport {transport!r}: use 'torch' or 'auto' (threads: run_local)")
+    from .transport.torchdist import TorchTransport, init_torch_distributed
+
+    store, _ = init_torch_distributed(backend, timeout)
+    comm = Communicator(TorchTransport(store), timeout=timeout, check=check, node_size=node_size)
+    bind_process(comm)
+    return comm
+
+
+def is_initialized() -> bool:
+    """True if a communicator is bound to this thread or process."""
+    try:
+        current()
+        return True
+    except RuntimeError:
+        return False
+
+
+def destroy() -> None:
+    """Close the process's communicator (torch.distributed itself is left to its owner)."""
+    try:
+        comm = current()
+    except RuntimeError:
+        return
+    comm.close()
+    bind_process(None)
+
+
+def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> Group:
+    """Create a group of global ``ranks``; every rank of the world must call it, in the same order."""
+    return current().new_group(ranks, timeout)
+
+
+def get_rank(group: Group | None = None) -> int:
+    """This rank's position in ``group`` (the world by default); -1 if not a member."""
+    return (group or current().world).rank
+
+
+def get_world_size(group: Group | None = None) -> int:
+    """Number of ranks in ``group`` (the world by default)."""
+    return (group or current().world).size
+
+
+def stats() -> dict[int, dict[str, Any]]:
+    """Per-group counters of operations, bytes and time (see ``Monitor.stats``)."""
+    return current().monitor.stats()
+
+
+def reset_stats() -> None:
+    """Zero the counters of ``stats()``."""
+    current().monitor.reset()
+
+
+def flight_recorder() -> list[dict[str, Any]]:
+    """The last N collectives of this rank (op, group, seq, shapes, dtype, start/end, state)."""
+    return current().monitor.records()
+
+
+def dump_flight_recorder(path: str) -> str:
+    """Write this rank's flight recorder to ``path`` as JSON."""
+    return current().monitor.dump(path)
+
+
+def calibrate(group: Group | None = None, force: bool = True):
+    """Fit the alpha-beta-gamma cost model of ``group`` now (collective); returns the CostModel."""
+    from .select import calibrate as _cal
+
+    return _cal(group or current().world, force=force)

@@ -1,0 +1,42 @@
+"""Collective algorithms, one plain function per (operation, algorithm), over a ``Ctx``.
+
+``REGISTRY[op][name]`` is the function; ``native`` (torch.distributed's own collective) is handled
+by the front end because it bypasses the ``Ctx``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from . import direct, hierarchical, recursive, ring, tree
+
+REGISTRY: dict[str, dict[str, Callable]] = {
+    "all_reduce": {
+        "ring": ring.all_reduce,
+        "tree": tree.all_reduce,
+        "recursive_doubling": recursive.all_reduce_doubling,
+        "halving_doubling": recursive.all_reduce_halving_doubling,
+        "hierarchical": hierarchical.all_reduce,
+        "direct": direct.all_reduce,
+    },
+    "reduce": {"tree": tree.reduce, "ring": ring.reduce, "direct": direct.reduce},
+    "broadcast": {"tree": tree.broadcast, "ring": ring.broadcast, "direct": direct.broadcast},
+    "all_gather": {"ring": ring.all_gather, "recursive_doubling": recursive.all_gather_bruck,
+                   "direct": direct.all_gather},
+    "reduce_scatter": {"ring": ring.reduce_scatter, "direct": direct.reduce_scatter},
+    "gather": {"tree": "tree", "direct": direct.gather},
+    "scatter": {"tree": "tree", "direct": direct.scatter},
+    "all_to_all": {"direct": direct.all_to_all},
+    "barrier": {"direct": None},
+}
+# gather/scatter "tree" work on a root-relative layout; the front end maps it (see collectives.py).
+
+OPERATIONS = tuple(REGISTRY)
+
+
+def algorithms_for(op: str, transport_kind: str) -> list[str]:
+    """Algorithm names valid for ``op`` on a transport kind ("native" only on torch)."""
+    names = list(REGISTRY[op])
+    if transport_kind == "torch":
+        names.append("native")
+    return names

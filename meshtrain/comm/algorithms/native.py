@@ -1,0 +1,86 @@
+"""``native``: delegate to torch.distributed's own collective on the group's ProcessGroup.
+
+torch orders a group's ranks ascending; meshtrain groups keep the order they were created with,
+so list-valued results are permuted between the two orders here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..types import ReduceOp
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+    ReduceOp.AVG: dist.ReduceOp.SUM,  # gloo has no AVG everywhere; the caller divides
+}
+
+
+def torch_op(op: ReduceOp) -> dist.ReduceOp:
+    """The torch.distributed reduce op that implements ``op`` (AVG is summed, then divided)."""
+    return _TORCH_OPS[op]
+
+
+def order(ranks: list[int]) -> list[int]:
+    """For each torch group rank (ascending global ranks), the meshtrain group rank."""
+    return [ranks.index(r) for r in sorted(ranks)]
+
+
+def all_reduce(pg, buf: torch.Tensor, op: ReduceOp) -> None:
+    """torch.distributed.all_reduce."""
+    dist.all_reduce(buf, torch_op(op), group=pg)
+
+
+def reduce(pg, buf: torch.Tensor, op: ReduceOp, root_global: int) -> None:
+    """torch.distributed.reduce."""
+    dist.reduce(buf, root_global, torch_op(op), group=pg)
+
+
+def broadcast(pg, buf: torch.Tensor, root_global: int) -> None:
+    """torch.distributed.broadcast."""
+    dist.broadcast(buf, root_global, group=pg)
+
+
+def all_gather(pg, ranks: list[int], outs: list[torch.Tensor], inp: torch.Tensor) -> None:
+    """torch.distributed.all_gather into ``outs`` (meshtrain group order)."""
+    dist.all_gather([outs[i] for i in order(ranks)], inp, group=pg)
+
+
+def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> None:
+    """torch.distributed.reduce_scatter with ``ins`` in meshtrain group order."""
+    dist.reduce_scatter(out, [ins[i] for i in order(ranks)], torch_op(op), group=pg)
+
+
+def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+    """torch.distributed.all_to_all_single over the concatenated (possibly uneven) blocks."""
+    perm = order(ranks)
+    ins_t = [ins[i].reshape(-1) for i in perm]
+    outs_t = [outs[i] for i in perm]
+    flat_in = torch.cat(ins_t) if ins_t else torch.empty(0)
+    flat_out = torch.empty(sum(o.numel() for o in outs_t), dtype=flat_in.dtype)
+    dist.all_to_all_single(flat_out, flat_in, [o.numel() for o in outs_t], [t.numel() for t in ins_t], group=pg)
+    off = 0
+    for o in outs_t:
+        o.view(-1).copy_(flat_out[off : off + o.numel()])
+        off += o.numel()
+
+
+def gather(pg, ranks: list[int], inp: torch.Tensor, outs: list[torch.Tensor] | None, root_global: int) -> None:
+    """torch.distributed.gather (``outs`` in meshtrain group order, on the root only)."""
+    lst = [outs[i] for i in order(ranks)] if outs is not None else None
+    dist.gather(inp, lst, dst=root_global, group=pg)
+
+
+def scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor] | None, root_global: int) -> None:
+    """torch.distributed.scatter (``ins`` in meshtrain group order, on the root only)."""
+    lst = [ins[i] for i in order(ranks)] if ins is not None else None
+    dist.scatter(out, lst, src=root_global, group=pg)
+
+
+def barrier(pg) -> None:
+    """torch.distributed.barrier."""
+    dist.barrier(group=pg)

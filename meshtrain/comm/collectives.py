@@ -1,0 +1,255 @@
+"""Module-level collectives with torch.distributed's names, signatures and in-place semantics.
+
+Each call validates its arguments, picks the algorithm (``auto`` = cost model), and hands a body to
+``runner.run``. Bodies work on a flat buffer: the tensor itself when it is contiguous and already
+in the working dtype (half-precision sums accumulate in fp32), else a converted copy written back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import runner, select
+from .algorithms import REGISTRY, algorithms_for, native
+from .algorithms.base import Ctx
+from .communicator import Group, current
+from .types import ReduceOp, check_dtype, parse_op, work_dtype
+from .work import Work
+
+
+def _group(group: Group | None) -> Group:
+    if group is None:
+        return current().world
+    if not isinstance(group, Group):
+        raise ValueError(f"invalid group {group!r}: pass a group made by meshtrain.comm.new_group(), or None")
+    return group
+
+
+def _check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _algorithm(g: Group, op: str, algorithm: str, nbytes: int) -> str:
+    valid = algorithms_for(op, g.comm.transport.kind)
+    if algorithm == "auto":
+        return select.choose(g, op, nbytes)
+    if algorithm not in valid:
+        hint = " ('native' needs the torch transport)" if algorithm == "native" else ""
+        raise ValueError(f"unknown algorithm {algorithm!r} for {op}{hint}: use one of {valid} or 'auto'")
+    return algorithm
+
+
+def _flat(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A flat working buffer for ``t`` in ``dtype``; True if it must be copied back."""
+    if t.is_contiguous() and t.dtype == dtype:
+        return t.view(-1), False
+    return t.detach().reshape(-1).to(dtype, copy=True), True
+
+
+def _meta(shapes: Sequence[Sequence[int]], dtype: torch.dtype, algorithm: str, **extra: Any) -> dict[str, Any]:
+    return dict(shapes=[list(s) for s in shapes], dtype=str(dtype).replace("torch.", ""),
+                algorithm=algorithm, **extra)
+
+
+def _finish_avg(buf: torch.Tensor, op: ReduceOp, p: int) -> None:
+    if op is ReduceOp.AVG:
+        buf.div_(p)
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None = None,
+               async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """Reduce ``tensor`` across the group, in place on every rank."""
+    g, rop = _group(group), parse_op(op)
+    check_dtype(_check_tensor(tensor).dtype, rop)
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = _algorithm(g, "all_reduce", algorithm, nbytes)
+
+    def body(ctx: Ctx) -> torch.Tensor:
+        buf, back = _flat(tensor, work_dtype(tensor.dtype, rop))
+        if algo == "native":
+            native.all_reduce(g.torch_group, buf, rop)
+        elif algo == "hierarchical":
+            REGISTRY["all_reduce"][algo](ctx, buf, rop, g.comm.node_size)
+        else:
+            REGISTRY["all_reduce"][algo](ctx, buf, rop)
+        _finish_avg(buf, rop, g.size)
+        if back:
+            tensor.copy_(buf.view(tensor.shape))
+        return tensor
+
+    return runner.run(g, "all_reduce", _meta([tensor.shape], tensor.dtype, algo, redop=rop.value), body, async_op, nbytes)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group | None = None,
+           async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """Reduce ``tensor`` across the group into ``tensor`` on global rank ``dst`` (others unchanged)."""
+    g, rop = _group(group), parse_op(op)
+    check_dtype(_check_tensor(tensor).dtype, rop)
+    root = g.check_root(dst, "dst")
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = _algorithm(g, "reduce", algorithm, nbytes)
+
+    def body(ctx: Ctx) -> torch.Tensor:
+        wd = work_dtype(tensor.dtype, rop)
+        if ctx.rank == root:
+            buf, back = _flat(tensor, wd)
+        else:  # algorithms use non-root buffers as scratch; keep the caller's tensor intact
+            buf, back = tensor.detach().reshape(-1).to(wd, copy=True), False
+        if algo == "native":
+            native.reduce(g.torch_group, buf, rop, dst)
+        else:
+            REGISTRY["reduce"][algo](ctx, buf, rop, root)
+        if ctx.rank == root:
+            _finish_avg(buf, rop, g.size)
+            if back:
+                tensor.copy_(buf.view(tensor.shape))
+        return tensor
+
+    return runner.run(g, "reduce", _meta([tensor.shape], tensor.dtype, algo, redop=rop.value, root=dst), body, async_op, nbytes)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_op: bool = False,
+              algorithm: str = "auto") -> Work | None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place."""
+    g = _group(group)
+    check_dtype(_check_tensor(tensor).dtype)
+    root = g.check_root(src, "src")
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = _algorithm(g, "broadcast", algorithm, nbytes)
+
+    def body(ctx: Ctx) -> torch.Tensor:
+        buf, back = _flat(tensor, tensor.dtype)
+        if algo == "native":
+            native.broadcast(g.torch_group, buf, src)
+        else:
+            REGISTRY["broadcast"][algo](ctx, buf, root)
+        if back:
+            tensor.copy_(buf.view(tensor.shape))
+        return tensor
+
+    return runner.run(g, "broadcast", _meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
+
+
+def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.Tensor]) -> Any:
+    """Body of the all-gathers: ``outs[i]`` receives rank i's ``inp``."""
+
+    def body(ctx: Ctx) -> list[torch.Tensor]:
+        if algo == "native":
+            native.all_gather(g.torch_group, g.ranks, outs, inp.contiguous())
+            return outs
+        n = inp.numel()
+        buf = ctx.scratch("all_gather_out", n * g.size, inp.dtype)
+        buf[ctx.rank * n : (ctx.rank + 1) * n].copy_(inp.reshape(-1))
+        REGISTRY["all_gather"][algo](ctx, buf)
+        for i, o in enumerate(outs):
+            o.view(-1).copy_(buf[i * n : (i + 1) * n]) if o.is_contiguous() else o.copy_(buf[i * n : (i + 1) * n].view(o.shape))
+        return outs
+
+    return body
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | None = None,
+               async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """``tensor_list[i]`` receives rank i's ``tensor`` (group order), on every rank."""
+    g = _group(group)
+    check_dtype(_check_tensor(tensor).dtype)
+    _check_list(tensor_list, g, tensor, "tensor_list")
+    nbytes = tensor.numel() * tensor.element_size() * g.size
+    algo = _algorithm(g, "all_gather", algorithm, nbytes)
+    body = _gathered(g, "all_gather", algo, tensor, tensor_list)
+    return runner.run(g, "all_gather", _meta([tensor.shape], tensor.dtype, algo), body, async_op, nbytes)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | None = None,
+                           async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """Concatenate every rank's ``input_tensor`` along dim 0 (or flat) into ``output_tensor``."""
+    g = _group(group)
+    check_dtype(_check_tensor(input_tensor, "input_tensor").dtype)
+    _check_tensor(output_tensor, "output_tensor")
+    if output_tensor.numel() != input_tensor.numel() * g.size or output_tensor.dtype != input_tensor.dtype:
+        raise ValueError(
+            f"all_gather_into_tensor: output_tensor has {output_tensor.numel()} elements of "
+            f"{output_tensor.dtype}; it needs world size {g.size} x {input_tensor.numel()} = "
+            f"{g.size * input_tensor.numel()} elements of {input_tensor.dtype}"
+        )
+    outs = list(output_tensor.view(-1).chunk(g.size)) if input_tensor.numel() else [output_tensor.view(-1)[:0]] * g.size
+    nbytes = output_tensor.numel() * output_tensor.element_size()
+    algo = _algorithm(g, "all_gather", algorithm, nbytes)
+    if not output_tensor.is_contiguous():
+        raise ValueError("all_gather_into_tensor: output_tensor must be contiguous (call .contiguous())")
+    body = _gathered(g, "all_gather_into_tensor", algo, input_tensor, outs)
+    return runner.run(g, "all_gather_into_tensor", _meta([input_tensor.shape], input_tensor.dtype, algo), body, async_op, nbytes)
+
+
+def _check_list(lst: Any, g: Group, like: torch.Tensor, name: str) -> None:
+    if not isinstance(lst, (list, tuple)) or len(lst) != g.size:
+        got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+        raise ValueError(f"{name} must be a list of {g.size} tensors (the group size), got {got}")
+    for i, t in enumerate(lst):
+        _check_tensor(t, f"{name}[{i}]")
+        if t.numel() != like.numel() or t.dtype != like.dtype:
+            raise ValueError(
+                f"{name}[{i}] has {t.numel()} elements of {t.dtype}; every entry must match "
+                f"the tensor ({like.numel()} elements of {like.dtype})"
+            )
+
+
+def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins: list[torch.Tensor]) -> Any:
+    def body(ctx: Ctx) -> torch.Tensor:
+        wd = work_dtype(out.dtype, rop)
+        n = out.numel()
+        if algo == "native":
+            tmp_out = out if wd == out.dtype else out.to(wd)
+            native.reduce_scatter(g.torch_group, g.ranks, tmp_out, [t.reshape(tmp_out.shape).to(wd) for t in ins], rop)
+            _finish_avg(tmp_out, rop, g.size)
+            if tmp_out is not out:
+                out.copy_(tmp_out)
+            return out
+        buf = ctx.scratch("rs_in", n * g.size, wd)
+        for i, t in enumerate(ins):
+            buf[i * n : (i + 1) * n].copy_(t.reshape(-1))
+        REGISTRY["reduce_scatter"][algo](ctx, buf, rop)
+        mine = buf[ctx.rank * n : (ctx.rank + 1) * n]
+        _finish_avg(mine, rop, g.size)
+        out.copy_(mine.view(out.shape))
+        return out
+
+    return body
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
+                   group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """``output`` on rank i receives the reduction over ranks of ``input_list[i]``."""
+    g, rop = _group(group), parse_op(op)
+    check_dtype(_check_tensor(output, "output").dtype, rop)
+    _check_list(input_list, g, output, "input_list")
+    nbytes = output.numel() * output.element_size() * g.size
+    algo = _algorithm(g, "reduce_scatter", algorithm, nbytes)
+    body = _reduce_scattered(g, algo, rop, output, list(input_list))
+    return runner.run(g, "reduce_scatter", _meta([output.shape], output.dtype, algo, redop=rop.value), body, async_op, nbytes)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+                          group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """``input`` is world size x ``output`` (dim 0 or flat); rank i gets the reduced i-th part."""
+    g, rop = _group(group), parse_op(op)
+    check_dtype(_check_tensor(output, "output").dtype, rop)
+    _check_tensor(input, "input")
+    if input.numel() != output.numel() * g.size or input.dtype != output.dtype:
+        raise ValueError(
+            f"reduce_scatter_tensor: input has {input.numel()} elements of {input.dtype}; it needs "
+            f"world size {g.size} x {output.numel()} = {g.size * output.numel()} elements of {output.dtype}"
+        )
+    flat = input.reshape(-1)
+    n = output.numel()
+    ins = [flat[i * n : (i + 1) * n] for i in range(g.size)]
+    nbytes = input.numel() * input.element_size()
+    algo = _algorithm(g, "reduce_scatter", algorithm, nbytes)
+    body = _reduce_scattered(g, algo, rop, output, ins)
+    return runner.run(g, "reduce_scatter_tensor", _meta([output.shape], output.dtype, algo, redop=rop.value), body, async_op, nbytes)
+
+

@@ -1,0 +1,170 @@
+"""One rank's view of a world: its transport, groups, monitor, and the default-binding rules."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from .algorithms.base import BufferPool
+from .monitor import Monitor
+from .transport.base import Transport
+from .work import Work
+
+MAX_GROUPS = 1024  # group ids are packed into p2p tags
+
+
+class Group:
+    """An ordered set of global ranks that run collectives together (like a ProcessGroup).
+
+    Every rank of the world creates every group, in the same order, so group ids agree. A rank
+    outside the group holds a Group with ``rank == -1`` and may not call collectives on it.
+    """
+
+    def __init__(self, comm: "Communicator", gid: int, ranks: Sequence[int], timeout: float,
+                 torch_group: Any = None) -> None:
+        self.comm = comm
+        self.gid = gid
+        self.ranks = list(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(comm.rank) if comm.rank in self.ranks else -1
+        self.timeout = timeout
+        self.torch_group = torch_group
+        self.pool = BufferPool()
+        self.cost_model: Any = None  # fitted lazily by meshtrain.comm.select
+        self._seq = 0
+        self._p2p_seq = 0
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._last: Work | None = None
+
+    def __repr__(self) -> str:
+        return f"Group(id={self.gid}, ranks={self.ranks}, rank={self.rank})"
+
+    @property
+    def hosts(self) -> list[str]:
+        """Host id of each group rank."""
+        return [self.comm.hosts[r] for r in self.ranks]
+
+    def next_seq(self) -> int:
+        """Sequence number of the next collective on this group (same on every member)."""
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def group_rank(self, global_rank: int) -> int:
+        """Position of a global rank in this group; ValueError if it is not a member."""
+        if global_rank not in self.ranks:
+            raise ValueError(f"rank {global_rank} is not in group {self.gid} (ranks {self.ranks})")
+        return self.ranks.index(global_rank)
+
+    def check_root(self, root: int, what: str = "root") -> int:
+        """Validate a root given as a global rank; return its group rank."""
+        if not isinstance(root, int) or root not in self.ranks:
+            raise ValueError(
+                f"invalid {what} {root!r}: it must be a global rank of group {self.gid}, "
+                f"one of {self.ranks}"
+            )
+        return self.ranks.index(root)
+
+    def submit(self, fn: Callable[[], Any], description: str) -> Work:
+        """Run ``fn`` on this group's worker thread, after every earlier async op of the group."""
+        work = Work(description)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"meshtrain-g{self.gid}")
+            self._last = work
+
+        def run() -> None:
+            try:
+                work._finish(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                work._finish(exc=exc)
+
+        self._executor.submit(run)
+        return work
+
+    def drain(self) -> None:
+        """Wait until every async op submitted on this group has finished (errors stay in their Work)."""
+        last = self._last
+        if last is not None:
+            last._done.wait()
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class Communicator:
+    """A rank's transport plus its groups, monitor and settings; the world is group 0."""
+
+    def __init__(self, transport: Transport, *, timeout: float = 300.0, check: bool = True,
+                 hosts: Sequence[str] | None = None, flight_recorder: int = 256,
+                 torch_world: Any = None, node_size: int | None = None) -> None:
+        self.transport = transport
+        self.node_size = node_size  # hierarchical algorithm: ranks per node (None: by host)
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.timeout = timeout
+        self.check = check
+        self.monitor = Monitor(self.rank, flight_recorder)
+        if hosts is None:
+            hosts = transport.exchange("hosts", list(range(self.world_size)), transport.host_id(), timeout)
+        self.hosts = list(hosts)
+        self.world = Group(self, 0, range(self.world_size), timeout, torch_world)
+        self.groups: list[Group] = [self.world]
+
+    def new_group(self, ranks: Sequence[int] | None = None, timeout: float | None = None) -> Group:
+        """Create a group of global ``ranks`` (all ranks of the world must call this, in order)."""
+        if ranks is None:
+            ranks = list(range(self.world_size))
+        ranks = list(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if not ranks or bad or len(set(ranks)) != len(ranks):
+            raise ValueError(
+                f"invalid group ranks {ranks}: give distinct ranks in 0..{self.world_size - 1}"
+                + (f" ({bad} out of range)" if bad else "")
+            )
+        if len(self.groups) >= MAX_GROUPS:
+            raise ValueError(f"too many groups: meshtrain.comm supports at most {MAX_GROUPS}")
+        torch_group = None
+        if self.transport.kind == "torch":
+            import torch.distributed as dist
+
+            torch_group = dist.new_group(sorted(ranks))
+        g = Group(self, len(self.groups), ranks, timeout or self.timeout, torch_group)
+        self.groups.append(g)
+        return g
+
+    def close(self) -> None:
+        """Stop worker threads and close the transport."""
+        for g in self.groups:
+            g.close()
+        self.transport.close()
+
+
+_thread = threading.local()
+_process: dict[str, Communicator | None] = {"comm": None}
+
+
+def current() -> Communicator:
+    """The communicator bound to this thread (run_local) or this process (init)."""
+    comm = getattr(_thread, "comm", None) or _process["comm"]
+    if comm is None:
+        raise RuntimeError(
+            "meshtrain.comm is not initialised: call meshtrain.comm.init() in each process "
+            "(under torchrun), or run your function with meshtrain.comm.run_local(world_size, fn)"
+        )
+    return comm
+
+
+def bind_thread(comm: Communicator | None) -> None:
+    """Make ``comm`` the default communicator of the calling thread."""
+    _thread.comm = comm
+
+
+def bind_process(comm: Communicator | None) -> None:
+    """Make ``comm`` the default communicator of the process."""
+    _process["comm"] = comm

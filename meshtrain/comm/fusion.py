@@ -1,0 +1,57 @@
+"""Tensor fusion: reduce many small tensors as one message through a reused flat buffer."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import runner
+from .algorithms import REGISTRY, native
+from .algorithms.base import Ctx
+from .collectives import _algorithm, _check_tensor, _finish_avg, _group, _meta
+from .communicator import Group
+from .types import ReduceOp, check_dtype, parse_op, work_dtype
+from .work import Work
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM, group: Group | None = None,
+                         async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """All-reduce ``tensors`` in place as one fused message (one dtype; packed into a pooled buffer)."""
+    g, rop = _group(group), parse_op(op)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("all_reduce_coalesced needs at least one tensor")
+    dtypes = {_check_tensor(t, "tensors[i]").dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"all_reduce_coalesced: all tensors must share one dtype, got {sorted(map(str, dtypes))}; "
+                         "call it once per dtype")
+    dtype = dtypes.pop()
+    check_dtype(dtype, rop)
+    total = sum(t.numel() for t in tensors)
+    nbytes = total * tensors[0].element_size()
+    algo = _algorithm(g, "all_reduce", algorithm, nbytes)
+
+    def body(ctx: Ctx) -> list[torch.Tensor]:
+        wd = work_dtype(dtype, rop)
+        # A separate pool name from the algorithms' scratch, so packing never aliases them.
+        flat = g.pool.get("fusion", total, wd, torch.device("cpu"))
+        off = 0
+        for t in tensors:
+            flat[off : off + t.numel()].copy_(t.reshape(-1))
+            off += t.numel()
+        if algo == "native":
+            native.all_reduce(g.torch_group, flat, rop)
+        elif algo == "hierarchical":
+            REGISTRY["all_reduce"][algo](ctx, flat, rop, g.comm.node_size)
+        else:
+            REGISTRY["all_reduce"][algo](ctx, flat, rop)
+        _finish_avg(flat, rop, g.size)
+        off = 0
+        for t in tensors:
+            t.copy_(flat[off : off + t.numel()].view(t.shape))
+            off += t.numel()
+        return tensors
+
+    meta = _meta([t.shape for t in tensors], dtype, algo, redop=rop.value)
+    return runner.run(g, "all_reduce_coalesced", meta, body, async_op, nbytes)

@@ -1,0 +1,56 @@
+"""``run_local``: run a function on N ranks that are threads of this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from .communicator import Communicator, bind_thread
+from .transport.local import LocalTransport, LocalWorld
+
+
+def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
+              check: bool = True, ranks_per_node: int | None = None, **kwargs: Any) -> list[Any]:
+    """Call ``fn(rank, *args, **kwargs)`` on ``world_size`` threads, each with its own communicator
+    bound as the default for ``meshtrain.comm``'s functions; return the results in rank order.
+
+    ``timeout`` bounds every collective (a missing rank fails with ``CollectiveTimeout``);
+    ``ranks_per_node`` simulates hosts (ranks r and s share a node iff r // k == s // k), which the
+    hierarchical algorithm uses. The first failure is re-raised with its rank in the message, after
+    the other ranks were woken with an error (no rank is left blocked).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    world = LocalWorld(world_size)
+    k = ranks_per_node or world_size
+    hosts = [f"node{r // k}" for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    failures: list[tuple[float, int, BaseException]] = []
+
+    def worker(rank: int) -> None:
+        comm = None
+        try:
+            comm = Communicator(LocalTransport(world, rank), timeout=timeout, check=check, hosts=hosts)
+            bind_thread(comm)
+            results[rank] = fn(rank, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            failures.append((time.monotonic(), rank, exc))
+            world.abort(f"rank {rank} raised {type(exc).__name__}: {exc}")
+        finally:
+            bind_thread(None)
+            if comm is not None:
+                comm.close()
+
+    threads = [threading.Thread(target=worker, args=(r,), name=f"meshtrain-rank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        _, rank, exc = min(failures, key=lambda f: f[0])
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("[rank "):
+            exc.args = (f"[rank {rank}] {exc.args[0]}",) + exc.args[1:]
+        raise exc
+    return results

@@ -1,0 +1,76 @@
+"""Per-group counters (operations, bytes, time) and a flight recorder of the last N collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+
+class Monitor:
+    """One rank's communication record. Thread-safe: async collectives finish on worker threads."""
+
+    def __init__(self, rank: int, capacity: int = 256) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._recent: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._groups: dict[int, dict[str, Any]] = {}
+
+    def begin(self, gid: int, ranks: list[int], seq: int, op: str, algorithm: str,
+              shapes: list[list[int]], dtype: str, nbytes: int) -> dict[str, Any]:
+        """Record the start of a collective; returns the flight-recorder entry."""
+        entry = {
+            "rank": self.rank, "group": gid, "group_ranks": ranks, "seq": seq, "op": op,
+            "algorithm": algorithm, "shapes": shapes, "dtype": dtype, "bytes": nbytes,
+            "start": time.time(), "end": None, "state": "started", "sent_bytes": 0,
+        }
+        with self._lock:
+            self._recent.append(entry)
+        return entry
+
+    def end(self, entry: dict[str, Any], sent_bytes: int, error: BaseException | None = None) -> None:
+        """Record the end (or failure) of a collective and add it to the group's counters."""
+        now = time.time()
+        with self._lock:
+            entry["end"] = now
+            entry["sent_bytes"] = sent_bytes
+            entry["state"] = "completed" if error is None else f"failed: {type(error).__name__}"
+            g = self._groups.setdefault(entry["group"], {"ranks": entry["group_ranks"], "ops": {}})
+            c = g["ops"].setdefault(entry["op"], {"count": 0, "bytes": 0, "sent_bytes": 0, "time_s": 0.0, "errors": 0})
+            c["count"] += 1
+            c["bytes"] += entry["bytes"]
+            c["sent_bytes"] += sent_bytes
+            c["time_s"] += now - entry["start"]
+            c["errors"] += error is not None
+
+    def stats(self) -> dict[int, dict[str, Any]]:
+        """Counters per group id: {"ranks": [...], "ops": {op: {count, bytes, sent_bytes, time_s, errors}},
+        "total": {...}}. ``bytes`` is the payload handed in; ``sent_bytes`` what this rank sent."""
+        with self._lock:
+            out: dict[int, dict[str, Any]] = {}
+            for gid, g in self._groups.items():
+                ops = {k: dict(v) for k, v in g["ops"].items()}
+                total = {k: sum(o[k] for o in ops.values()) for k in ("count", "bytes", "sent_bytes", "time_s", "errors")}
+                out[gid] = {"ranks": list(g["ranks"]), "ops": ops, "total": total}
+            return out
+
+    def reset(self) -> None:
+        """Clear the counters (the flight recorder keeps its entries)."""
+        with self._lock:
+            self._groups.clear()
+
+    def records(self) -> list[dict[str, Any]]:
+        """The flight recorder: the last N collectives of this rank, oldest first."""
+        with self._lock:
+            return [dict(e) for e in self._recent]
+
+    def dump(self, path: str) -> str:
+        """Write the flight recorder as JSON (atomically: temp file, then rename). Returns the path."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"rank": self.rank, "records": self.records()}, f, indent=1)
+        os.replace(tmp, path)
+        return path

@@ -1,0 +1,129 @@
+"""Runs one collective: sequence number, metadata check, algorithm, timeout naming, recording.
+
+The metadata check: before moving data, the members exchange a short JSON fingerprint (op,
+sequence number, shapes, dtype, reduce op, root, algorithm) through the transport's ``exchange``.
+Any difference raises ``CollectiveMismatch`` on every rank at once, naming the ranks and what they
+passed, instead of a hang or silent garbage. It costs one small all-gather per collective (through
+the store on the torch transport, a shared dict on the local one; see docs/comm.md), and can be
+turned off with ``init(check=False)``. The same exchange tells, on timeout, exactly which ranks
+never arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+from ..errors import CollectiveMismatch, CollectiveTimeout
+from .algorithms.base import Ctx
+from .communicator import Group
+from .transport.base import PeerTimeout
+from .work import Work
+
+
+def collective_tag(gid: int) -> int:
+    """The p2p tag of a group's collectives (even); user p2p tags are odd."""
+    return gid << 1
+
+
+def p2p_tag(gid: int, tag: int) -> int:
+    """The transport tag of a user's send/recv with ``tag`` on group ``gid``."""
+    if not isinstance(tag, int) or not 0 <= tag < (1 << 20):
+        raise ValueError(f"invalid tag {tag!r}: use an integer in 0..{(1 << 20) - 1}")
+    return (((tag << 10) | gid) << 1) | 1
+
+
+def _describe(meta: dict[str, Any]) -> str:
+    parts = [str(meta.get("op"))]
+    for key in ("shapes", "dtype", "redop", "root", "algorithm"):
+        if meta.get(key) is not None:
+            parts.append(f"{key}={meta[key]}")
+    return " ".join(parts)
+
+
+def _compare(name: str, seq: int, g: Group, payloads: list[str]) -> None:
+    decoded = [json.loads(p) for p in payloads]
+    metas = [json.dumps(d["meta"], sort_keys=True) for d in decoded]
+    if any(m != metas[0] for m in metas):
+        _raise_mismatch(name, seq, g, metas)
+    if decoded[0]["pair"] is not None:  # all_to_all: rank i's send to j == rank j's recv from i
+        for i, di in enumerate(decoded):
+            for j, dj in enumerate(decoded):
+                sent, expected = di["pair"][0][j], dj["pair"][1][i]
+                if sent != expected:
+                    raise CollectiveMismatch(
+                        f"{name} #{seq} on group {g.gid}: rank {g.ranks[i]} sends {sent} elements to "
+                        f"rank {g.ranks[j]}, which expects {expected}. Make input_tensor_list[j] on "
+                        f"rank i match output_tensor_list[i] on rank j."
+                    )
+
+
+def _raise_mismatch(name: str, seq: int, g: Group, payloads: list[str]) -> None:
+    by_meta: dict[str, list[int]] = {}
+    for r, p in zip(g.ranks, payloads):
+        by_meta.setdefault(p, []).append(r)
+    lines = [f"ranks {ranks}: {_describe(json.loads(p))}" for p, ranks in by_meta.items()]
+    raise CollectiveMismatch(
+        f"{name} #{seq} on group {g.gid} (ranks {g.ranks}): ranks disagree on the call -- "
+        + "; ".join(lines)
+        + ". Every rank of a group must call the same collectives in the same order with "
+        "matching shapes and dtypes."
+    )
+
+
+def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], async_op: bool,
+        nbytes: int, pairwise: Any = None, force_exchange: bool = False) -> Work | None:
+    """Run ``body(ctx)`` as collective ``name`` on group ``g``; a Work if ``async_op`` else None."""
+    comm = g.comm
+    if g.rank < 0:
+        raise ValueError(
+            f"rank {comm.rank} called {name} on group {g.gid} (ranks {g.ranks}) but is not a member"
+        )
+    seq = g.next_seq()
+    meta = dict(meta, op=name, seq=seq)
+
+    def execute() -> Any:
+        entry = comm.monitor.begin(g.gid, g.ranks, seq, name, str(meta.get("algorithm")),
+                                   meta.get("shapes", []), str(meta.get("dtype")), nbytes)
+        deadline = time.monotonic() + g.timeout
+        ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), deadline, g.pool, g.hosts)
+        try:
+            if (comm.check or force_exchange) and g.size > 1:
+                payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
+                payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+                _compare(name, seq, g, payloads)
+            result = body(ctx)
+        except PeerTimeout as exc:
+            err = _timeout_error(name, seq, g, exc)
+            comm.monitor.end(entry, ctx.sent_bytes, err)
+            raise err from None
+        except BaseException as exc:
+            comm.monitor.end(entry, ctx.sent_bytes, exc)
+            raise
+        comm.monitor.end(entry, ctx.sent_bytes)
+        return result
+
+    if async_op:
+        return g.submit(execute, f"{name} #{seq} on group {g.gid}")
+    g.drain()
+    execute()
+    return None
+
+
+def _timeout_error(name: str, seq: int, g: Group, exc: PeerTimeout) -> CollectiveTimeout:
+    me = g.comm.rank
+    where = f"{name} #{seq} on group {g.gid} (ranks {g.ranks})"
+    if "never arrived" in str(exc):
+        err = CollectiveTimeout(
+            f"{where} timed out after {g.timeout:g}s on rank {me}: rank(s) {exc.missing} never "
+            f"called it. Check that every rank of the group reaches this collective (a rank that "
+            f"crashed, hangs, or skipped it), or raise the timeout."
+        )
+    else:
+        err = CollectiveTimeout(
+            f"{where} timed out after {g.timeout:g}s on rank {me}: {exc} (waiting for data "
+            f"from rank(s) {exc.missing}). Every rank arrived, so a peer stalled or died mid-operation."
+        )
+    err.missing = exc.missing  # type: ignore[attr-defined]
+    return err

@@ -1,0 +1,206 @@
+"""``algorithm="auto"``: the alpha-beta-gamma cost model (Thakur, Rabenseifner & Gropp 2005).
+
+A message of n bytes costs α + n·β; reducing n bytes costs n·γ. Each algorithm's time is a formula
+in α, β, γ, n and p; ``auto`` picks the cheapest. α, β and γ are fitted per group by a short
+ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call, and
+cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .algorithms import REGISTRY
+from .algorithms.base import Ctx
+from .types import ReduceOp, combine_
+
+SEGMENT = 1 << 20
+
+
+@dataclass
+class CostModel:
+    """Fitted link and compute constants: seconds per message, per byte sent, per byte reduced."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    source: str = "default"
+
+    def predict(self, op: str, algorithm: str, nbytes: int, p: int, nodes: int = 1) -> float:
+        """Predicted seconds for ``op`` with ``algorithm`` on ``nbytes`` (see module docstring)."""
+        a, b, g, n = self.alpha, self.beta, self.gamma, float(nbytes)
+        if p <= 1:
+            return 0.0
+        lg = math.ceil(math.log2(p))
+        pp = 1 << (p.bit_length() - 1)
+        fold = 0.0 if pp == p else 2 * (a + n * b) + n * g
+        f = (p - 1) / p
+        if op == "all_reduce":
+            return {
+                "ring": 2 * (p - 1) * a + 2 * f * n * b + f * n * g,
+                "halving_doubling": 2 * math.log2(pp) * a + 2 * f * n * b + f * n * g + fold,
+                "recursive_doubling": math.log2(pp) * (a + n * b + n * g) + fold,
+                "tree": 2 * lg * (a + n * b) + lg * n * g,
+                "direct": a + (p - 1) * n * b + (p - 1) * n * g,
+                "hierarchical": (2 * math.ceil(math.log2(max(p // max(nodes, 1), 1)) or 0) * (a + n * b)
+                                 + 2 * (nodes - 1) * a + 2 * n * b + n * g) if nodes > 1 else math.inf,
+            }[algorithm]
+        if op == "reduce":
+            return {"tree": lg * (a + n * b + n * g),
+                    "ring": 2 * (p - 1) * a + 2 * f * n * b + f * n * g,
+                    "direct": a + (p - 1) * n * b + (p - 1) * n * g}[algorithm]
+        if op == "broadcast":
+            s = max(math.ceil(n / SEGMENT), 1)
+            return {"tree": lg * (a + n * b),
+                    "ring": (p - 2 + s) * (a + n / s * b),
+                    "direct": a + (p - 1) * n * b}[algorithm]
+        if op == "all_gather":
+            return {"ring": (p - 1) * a + f * n * b,
+                    "recursive_doubling": lg * a + f * n * b + n * b / 4,
+                    "direct": a + f * n * b * 1.2}[algorithm]
+        if op == "reduce_scatter":
+            return {"ring": (p - 1) * a + f * n * (b + g),
+                    "direct": a + f * n * b * 1.2 + f * n * g}[algorithm]
+        if op in ("gather", "scatter"):
+            return {"tree": lg * a + f * n * b, "direct": (p - 1) * a + f * n * b}[algorithm]
+        return a * p + n * b
+
+
+DEFAULTS = {
+    "local": CostModel(30e-6, 1 / 3e9, 1 / 4e9),
+    "torch": CostModel(300e-6, 1 / 0.8e9, 1 / 4e9),
+}
+
+
+def cache_path() -> Path:
+    """Where fitted models are cached: $MESHTRAIN_CACHE_DIR or ~/.cache/meshtrain."""
+    root = os.environ.get("MESHTRAIN_CACHE_DIR") or os.path.join(Path.home(), ".cache", "meshtrain")
+    return Path(root) / "calibration.json"
+
+
+def _cache_key(group) -> str:
+    t = group.comm.transport
+    return f"{t.kind}:{getattr(t, 'backend', '')}:{group.size}:{len(set(group.hosts))}"
+
+
+def _load_cached(key: str) -> dict | None:
+    try:
+        return json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def _save_cached(key: str, model: CostModel) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = asdict(model)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache we cannot write only costs a re-measurement
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return max(my - slope * mx, 1e-7), max(slope, 1e-13)
+
+
+def measure(ctx: Ctx, sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 18, 1 << 21), reps: int = 5) -> CostModel | None:
+    """Ping-pong between ranks 0 and 1 of ``ctx`` and a timed reduction; the fit on rank 0."""
+    if ctx.size < 2 or ctx.rank > 1:
+        return None
+    buf = torch.zeros(max(sizes) // 4)
+    times = []
+    for nbytes in sizes:
+        t = buf[: nbytes // 4]
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            if ctx.rank == 0:
+                ctx.send(t, 1)
+                ctx.recv(t, 1)
+            else:
+                ctx.recv(t, 0)
+                ctx.send(t, 1 - ctx.rank)
+            best = min(best, (time.perf_counter() - t0) / 2)
+        times.append(best)
+    if ctx.rank != 0:
+        return None
+    alpha, beta = _fit_line([float(s) for s in sizes], times)
+    x, y = torch.ones(1 << 20), torch.ones(1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        combine_(x, y, ReduceOp.SUM)
+    gamma = (time.perf_counter() - t0) / 5 / (4 << 20)
+    return CostModel(alpha, beta, gamma, source="measured")
+
+
+def calibrate(group, force: bool = False) -> CostModel:
+    """Fit (or load from cache) the group's cost model; collective over the group's members."""
+    from . import runner
+
+    group.drain()  # calibration messages must not interleave with in-flight async collectives
+    key = _cache_key(group)
+    cached = None if force else _load_cached(key)
+    t = group.comm.transport
+    seq = group.next_seq()
+    offers = t.exchange(f"cal/{group.gid}/{seq}", group.ranks, json.dumps(cached), group.timeout)
+    offer0 = json.loads(offers[0])
+    if offer0 is not None:  # group rank 0's cache decides for everyone
+        group.cost_model = CostModel(**dict(offer0, source="cache"))
+        return group.cost_model
+    ctx = Ctx(t, group.ranks, group.rank, runner.collective_tag(group.gid),
+              time.monotonic() + group.timeout, group.pool, group.hosts)
+    fitted = measure(ctx)
+    fits = t.exchange(f"cal/{group.gid}/{seq}/fit", group.ranks,
+                      json.dumps(asdict(fitted) if fitted else None), group.timeout)
+    fit0 = json.loads(fits[0])
+    model = CostModel(**fit0) if fit0 else DEFAULTS.get(t.kind, DEFAULTS["torch"])
+    if group.rank == 0 and fit0:
+        _save_cached(key, model)
+    group.cost_model = model
+    return model
+
+
+def choose(group, op: str, nbytes: int) -> str:
+    """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member)."""
+    names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
+    if len(names) == 1 or group.size == 1:
+        return names[0]
+    if group.cost_model is None:
+        calibrate(group)
+    nodes = len(set(group.hosts))
+    model: CostModel = group.cost_model
+    return min(names, key=lambda n: (model.predict(op, n, nbytes, group.size, nodes), n))
+
+
+def crossovers(model: CostModel, op: str, p: int, nodes: int = 1,
+               lo: int = 1 << 6, hi: int = 1 << 28) -> list[tuple[int, str]]:
+    """Sizes (bytes, doubling from ``lo``) where the cheapest algorithm changes, with the new winner."""
+    names = list(REGISTRY[op])
+    out: list[tuple[int, str]] = []
+    prev = None
+    n = lo
+    while n <= hi:
+        best = min(names, key=lambda a: model.predict(op, a, n, p, nodes))
+        if best != prev:
+            out.append((n, best))
+            prev = best
+        n *= 2
+    return out

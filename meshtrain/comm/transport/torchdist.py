@@ -1,0 +1,130 @@
+"""A torch.distributed ProcessGroup (gloo on CPU, NCCL on GPU) as a meshtrain transport.
+
+Point-to-point goes through the group's own send/recv (gloo matches same-tag messages in order).
+``exchange`` goes through the group's TCPStore: each rank sets one key, waits for the others' keys
+and reads them all, so a timeout can name exactly the ranks whose key is absent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CollectiveError
+from ..work import Work
+from .base import PeerTimeout, Transport
+
+_FOREVER = datetime.timedelta(days=365)
+
+
+def _peer_failure(exc: BaseException, peer: int, what: str) -> BaseException:
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text or "Timeout" in text:
+        return PeerTimeout(f"{what} rank {peer} timed out", [peer])
+    return CollectiveError(
+        f"{what} rank {peer} failed: {text.splitlines()[0] if text else type(exc).__name__} "
+        f"(rank {peer} has probably exited or crashed; see its log)"
+    )
+
+
+class _TorchP2PWork(Work):
+    def __init__(self, work, peer: int, what: str, out: torch.Tensor | None) -> None:
+        super().__init__(f"{what} rank {peer}")
+        self._w, self._peer, self._what, self._out = work, peer, what, out
+
+    def _progress(self, timeout: float | None) -> bool:
+        if self._done.is_set():
+            return True
+        if timeout == 0 and not self._w.is_completed():
+            return False
+        try:
+            self._w.wait(_FOREVER if timeout is None else datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # gloo raises RuntimeError for timeouts and closed connections
+            err = _peer_failure(exc, self._peer, self._what)
+            self._finish(exc=err)
+            raise err from None
+        self._finish(self._out)
+        return True
+
+
+class TorchTransport(Transport):
+    """Wraps the default (or a given) torch.distributed process group and its store."""
+
+    kind = "torch"
+
+    def __init__(self, store: dist.Store, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.store = dist.PrefixStore("meshtrain", store)
+        self.backend = str(dist.get_backend(group))
+        self._last_key: dict[str, str] = {}
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return _TorchP2PWork(dist.isend(tensor, dst, group=self.group, tag=tag), dst, "send to", tensor)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        return _TorchP2PWork(dist.irecv(tensor, src, group=self.group, tag=tag), src, "recv from", tensor)
+
+    def exchange(self, key: str, ranks: Sequence[int], payload: str, timeout: float) -> list[str]:
+        keys = [f"x/{key}/{r}" for r in ranks]
+        own = f"x/{key}/{self.rank}"
+        try:
+            self.store.set(own, payload)
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
+            except Exception as exc:  # DistStoreError on timeout
+                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                    raise
+                missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
+                raise PeerTimeout(f"ranks {missing} never arrived", missing) from None
+            values = [v.decode() for v in self.store.multi_get(keys)]
+            # Once everyone posted this key, everyone has finished reading the previous one.
+            group_prefix = key.rsplit("/", 1)[0]
+            prev = self._last_key.get(group_prefix)
+            if prev is not None:
+                self.store.delete_key(prev)
+            self._last_key[group_prefix] = own
+            return values
+        except PeerTimeout:
+            raise
+        except Exception as exc:
+            raise CollectiveError(
+                f"lost the rendezvous store while exchanging {key!r}: {exc} "
+                "(the store lives in the process of rank 0 or in the torchrun agent: is it alive?)"
+            ) from None
+
+    def host_id(self) -> str:
+        boot = ""
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            pass
+        return f"{socket.gethostname()}/{boot}"
+
+
+def init_torch_distributed(backend: str | None, timeout: float) -> tuple[dist.Store, None]:
+    """Initialise torch.distributed from torchrun's environment unless it already is.
+
+    Returns the default store. Uses torch's own TCPStore (``env://``); meshtrain has no store.
+    """
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"meshtrain.comm.init() needs torchrun's environment but {', '.join(missing)} "
+                "is not set: launch with `torchrun --nproc_per_node N script.py`, or use "
+                "meshtrain.comm.run_local(world_size, fn) for ranks as threads"
+            )
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store(), None
