@@ -21,7 +21,7 @@ from .algorithms import REGISTRY
 from .algorithms.base import Ctx
 from .types import ReduceOp, combine_
 
-SEGMENT = 1 << 20
+SEGMENT = 2 << 20  # ring.SEGMENT_BYTES
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""``meshtrain bench comm``: time collectives per algorithm and transport, check every result.
+
+Each rank builds inputs whose exact result is known (small integers in float, so sums are exact),
+runs one checked call (``#wrong`` counts wrong elements, summed over ranks), then times warm
+iterations. Time is the slowest rank's mean. The peer ``native`` is torch.distributed's own
+collective called directly, with no meshtrain code in the path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from .report import BUSBW_FACTOR
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
+OPS = tuple(BUSBW_FACTOR)
+
+
+def _inputs(op: str, count: int, p: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input, output, expected-output) for ``op`` with ``count`` elements (nccl-tests' size)."""
+    def data(r: int, n: int) -> torch.Tensor:
+        return ((torch.arange(n) + r) % 5 + 1).to(dtype)
+
+    if op == "all_reduce":
+        inp = data(rank, count)
+        return inp, inp, sum(data(r, count).double() for r in range(p)).to(dtype)
+    if op == "reduce":
+        inp = data(rank, count)
+        exp = sum(data(r, count).double() for r in range(p)).to(dtype) if rank == 0 else inp.clone()
+        return inp, inp, exp
+    if op == "broadcast":
+        inp = data(rank, count)
+        return inp, inp, data(0, count)
+    n = count // p
+    if op == "all_gather":
+        inp = data(rank, n)
+        return inp, torch.empty(n * p, dtype=dtype), torch.cat([data(r, n) for r in range(p)])
+    if op == "reduce_scatter":
+        inp = torch.cat([data(rank * p + j, n) for j in range(p)])
+        exp = sum(data(r * p + rank, n).double() for r in range(p)).to(dtype)
+        return inp, torch.empty(n, dtype=dtype), exp
+    if op == "all_to_all":
+        inp = torch.cat([data(rank * p + j, n) for j in range(p)])
+        return inp, torch.empty(n * p, dtype=dtype), torch.cat([data(r * p + rank, n) for r in range(p)])
+    raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
+
+
+def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> None:
+    import torch.distributed as dist
+
+    import meshtrain.comm as mc
+
+    if algo == "native":  # the peer: torch.distributed directly
+        if op == "all_reduce":
+            dist.all_reduce(inp)
+        elif op == "reduce":
+            dist.reduce(inp, 0)
+        elif op == "broadcast":
+            dist.broadcast(inp, 0)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(out, inp)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(out, inp)
+        elif op == "all_to_all":
+            dist.all_to_all_single(out, inp)
+        return
+    if op == "all_reduce":
+        mc.all_reduce(inp, algorithm=algo)
+    elif op == "reduce":
+        mc.reduce(inp, 0, algorithm=algo)
+    elif op == "broadcast":
+        mc.broadcast(inp, 0, algorithm=algo)
+    elif op == "all_gather":
+        mc.all_gather_into_tensor(out, inp, algorithm=algo)
+    elif op == "reduce_scatter":
+        mc.reduce_scatter_tensor(out, inp, algorithm=algo)
+    elif op == "all_to_all":
+        mc.all_to_all(list(out.chunk(p)), list(inp.chunk(p)), algorithm=algo)
+
+
+def _max_over_ranks(x: float) -> float:
+    import meshtrain.comm as mc
+
+    t = torch.tensor([x], dtype=torch.float64)
+    mc.all_reduce(t, op="max", algorithm="direct")
+    return float(t.item())
+
+
+def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Runs on every rank; rank 0 returns the records and facts of the run."""
+    import meshtrain.comm as mc
+
+    torch.set_num_threads(1)  # p ranks share few cores; one intra-op thread each is fastest
+    p = mc.get_world_size()
+    dtype = DTYPES[cfg["dtype"]]
+    elem = torch.empty(0, dtype=dtype).element_size()
+    op = cfg["op"]
+    records: list[dict[str, Any]] = []
+    calibration = None
+    if cfg.get("calibrate"):
+        from ..comm import select
+
+        model = mc.calibrate(force=True)
+        nodes = len(set(mc.current().world.hosts))
+        calibration = {"alpha_us": model.alpha * 1e6, "beta_GBps": 1 / model.beta / 1e9,
+                       "gamma_GBps": 1 / model.gamma / 1e9,
+                       "crossovers": {o: select.crossovers(model, o, p, nodes)
+                                      for o in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")}}
+    for algo in cfg["algorithms"]:
+        for size in cfg["sizes"]:
+            count = max(size // elem, 0)
+            if op in ("all_gather", "reduce_scatter", "all_to_all"):
+                count -= count % p
+            inp, out, expected = _inputs(op, count, p, rank, dtype)
+            _call(op, algo, inp, out, p)
+            result = out if op in ("all_gather", "reduce_scatter", "all_to_all") else inp
+            wrong = int((result != expected).sum().item())
+            wrong = int(_max_over_ranks(wrong) if p > 1 else wrong)  # any rank's errors count
+            t0 = time.perf_counter()
+            _call(op, algo, inp, out, p)
+            first = _max_over_ranks(time.perf_counter() - t0)
+            iters = cfg.get("iters") or int(min(max(math.ceil(cfg["target_s"] / max(first, 1e-6)), 3), 200))
+            for _ in range(cfg["warmup"]):
+                _call(op, algo, inp, out, p)
+            mc.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                _call(op, algo, inp, out, p)
+            secs = _max_over_ranks((time.perf_counter() - t0) / iters)
+            nbytes = count * elem
+            algbw = nbytes / secs / 1e9 if secs > 0 else 0.0
+            records.append({
+                "transport": cfg["transport"], "backend": cfg.get("backend", ""), "op": op,
+                "algorithm": algo, "world_size": p, "size": nbytes, "count": count, "dtype": cfg["dtype"],
+                "redop": "sum" if op in ("all_reduce", "reduce", "reduce_scatter") else "none",
+                "root": 0 if op in ("broadcast", "reduce") else -1, "time_us": secs * 1e6, "algbw": algbw,
+                "busbw": algbw * BUSBW_FACTOR[op](p), "wrong": wrong, "iters": iters,
+            })
+    if rank != 0:
+        return None
+    return {"records": records, "calibration": calibration}
+
+
+def memcpy_gbps(nbytes: int = 16 << 20, reps: int = 20) -> float:
+    """Single-core memcpy bandwidth (bytes copied per second, in GB/s): the physical anchor."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(prev)
+
+
+def run_transport(transport: str, world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Spawn ``world`` ranks on ``transport`` (threads for local, processes over gloo for torch)."""
+    cfg = dict(cfg, transport=transport)
+    if transport == "local":
+        from ..comm import run_local
+
+        return run_local(world, rank_main, cfg, timeout=timeout)[0]
+    if transport == "torch":
+        from ..comm.launch import spawn
+
+        cfg["backend"] = "gloo"
+        return spawn(world, rank_main, cfg, timeout=timeout * 4 + 120, comm_timeout=timeout)[0]
+    raise ValueError(f"unknown transport {transport!r}: use local or torch")

@@ -1,0 +1,117 @@
+"""Argument handling and printing for ``meshtrain bench comm``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from . import report
+from .comm import DTYPES, OPS, memcpy_gbps, run_transport
+
+ALGOS = ("ring", "tree", "recursive_doubling", "halving_doubling", "hierarchical", "direct", "native", "auto")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``meshtrain bench comm``."""
+    p.add_argument("--transport", default="torch", help="comma list of local,torch (default: torch = gloo processes)")
+    p.add_argument("--world", default="2", help="number of ranks; a comma list runs each (default: 2)")
+    p.add_argument("--op", default="all_reduce", choices=OPS, help="collective to time")
+    p.add_argument("--algorithms", default="ring,halving_doubling,native",
+                   help="comma list; 'native' is torch.distributed's own (torch transport only)")
+    p.add_argument("--sizes", default="1K:64M", help="LO:HI geometric range or comma list, e.g. 1K:64M or 16M,64M")
+    p.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes of a LO:HI range")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: enough for ~0.3 s)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one collective may take")
+    p.add_argument("--calibrate", action="store_true", help="fit and print the alpha-beta-gamma model and crossovers")
+    p.add_argument("--json", dest="json_path", help="write one record per transport/op/algorithm/world/size")
+    p.add_argument("--plot", dest="plot_path", help="write a PNG of busbw against size")
+
+
+def _fail(msg: str) -> int:
+    print(f"meshtrain bench comm: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; returns the exit code."""
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [t for t in transports if t not in ("local", "torch")]
+    if bad or not transports:
+        return _fail(f"unknown transport {bad or transports}: use local and/or torch, e.g. --transport torch")
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown or not algos:
+        return _fail(f"unknown algorithm {unknown or algos}: choose from {', '.join(ALGOS)}")
+    try:
+        worlds = [int(w) for w in args.world.split(",")]
+        sizes = report.parse_sizes(args.sizes, args.factor)
+    except ValueError as exc:
+        return _fail(f"{exc} (e.g. --world 2,4 --sizes 1K:64M)")
+    if any(w < 1 for w in worlds) or not sizes:
+        return _fail("--world must be >= 1 and --sizes must name at least one size")
+    mem = memcpy_gbps()
+    print(f"# single-core memcpy: {mem:.2f} GB/s (physical anchor)")
+    records: list[dict[str, Any]] = []
+    calibrations = {}
+    for world in worlds:
+        for tr in transports:
+            use = [a for a in algos if a != "native" or tr == "torch"]
+            cfg = {"op": args.op, "algorithms": use, "sizes": sizes, "dtype": args.dtype, "iters": args.iters,
+                   "warmup": args.warmup, "target_s": 0.3, "calibrate": args.calibrate}
+            out = run_transport(tr, world, cfg, args.timeout)
+            if out.get("calibration"):
+                calibrations[f"{tr}:{world}"] = out["calibration"]
+                _print_calibration(tr, world, out["calibration"])
+            for algo in use:
+                rs = [r for r in out["records"] if r["algorithm"] == algo]
+                backend = f"({rs[0]['backend']})" if rs and rs[0]["backend"] else ""
+                print(report.header(f"transport={tr}{backend} world={world} op={args.op} algorithm={algo}"))
+                for r in rs:
+                    print(report.row(r))
+                print()
+            records += out["records"]
+    _print_ratios(records)
+    wrong = sum(r["wrong"] for r in records)
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    if args.json_path:
+        report.write_json(records, args.json_path, {"memcpy_GBps": mem, "calibration": calibrations})
+        print(f"# wrote {args.json_path}")
+    if args.plot_path:
+        report.plot_busbw(records, args.plot_path, f"{args.op} busbw ({args.dtype})", mem)
+        print(f"# wrote {args.plot_path}")
+    return 1 if wrong else 0
+
+
+def _print_calibration(tr: str, world: int, cal: dict[str, Any]) -> None:
+    print(f"# calibration transport={tr} world={world}: alpha={cal['alpha_us']:.1f} us  "
+          f"beta=1/({cal['beta_GBps']:.2f} GB/s)  gamma=1/({cal['gamma_GBps']:.2f} GB/s)")
+    for op, xs in cal["crossovers"].items():
+        steps = ", ".join(f"{report_size(n)}: {a}" for n, a in xs)
+        print(f"#   {op:15s} cheapest from  {steps}")
+    print()
+
+
+def report_size(n: int) -> str:
+    """64 -> '64B', 2048 -> '2K', ..."""
+    for unit, k in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << k and n % (1 << k) == 0:
+            return f"{n >> k}{unit}"
+    return f"{n}B"
+
+
+def _print_ratios(records: list[dict[str, Any]]) -> None:
+    peers = {(r["world_size"], r["size"]): r for r in records if r["algorithm"] == "native"}
+    if not peers:
+        return
+    print("# busbw ratio to torch.distributed's own collective (native), same run")
+    print(f"# {'world':>5} {'size':>10} " + " ".join(f"{'algorithm':>20}" for _ in [0]) + f" {'ratio':>7}")
+    for r in records:
+        peer = peers.get((r["world_size"], r["size"]))
+        if r["algorithm"] == "native" or peer is None or peer["busbw"] <= 0:
+            continue
+        print(f"  {r['world_size']:>5} {report_size(r['size']):>10} {r['transport'] + ':' + r['algorithm']:>20} "
+              f"{r['busbw'] / peer['busbw']:>7.2f}")
+    print()

@@ -1,0 +1,33 @@
+"""``meshtrain`` command line: thin dispatch to the subcommands' own modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``meshtrain`` command."""
+    parser = argparse.ArgumentParser(prog="meshtrain", description="distributed training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks that compare with a peer in the same run")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    comm = bsub.add_parser("comm", help="collective bandwidth/latency table (nccl-tests format)")
+    from .bench import comm_cli
+
+    comm_cli.add_arguments(comm)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``meshtrain`` console script."""
+    args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.bench == "comm":
+        from .bench import comm_cli
+
+        return comm_cli.main(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

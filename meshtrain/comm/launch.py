@@ -1,0 +1,118 @@
+"""``spawn``: run a function on N real processes over torch.distributed (gloo), for tests and benchmarks.
+
+The parent owns the TCPStore (port 0: the OS picks a free port, so there is no port race) and each
+child connects to it, initialises torch.distributed and meshtrain.comm, and runs ``fn(rank, *args)``.
+A child that raises, dies or overruns ``timeout`` fails the whole run with its rank and traceback,
+and every other child is terminated: nothing is left running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+from ..errors import CollectiveError
+
+
+class RankFailure(CollectiveError):
+    """A spawned rank raised, died or timed out; the message holds its rank and traceback."""
+
+
+def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: float, check: bool,
+           fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    try:
+        import torch.distributed as dist
+
+        from . import init
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=comm_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=comm_timeout))
+        init(timeout=comm_timeout, check=check)
+        out = fn(rank, *args)
+        results.put((rank, "ok", out))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        try:
+            payload: Any = exc
+            import pickle
+
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001
+            payload = None
+        results.put((rank, "err", (payload, traceback.format_exc())))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            from . import destroy
+
+            destroy()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+          backend: str = "gloo", comm_timeout: float = 30.0, check: bool = True) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return results in rank order.
+
+    ``fn`` must be importable (a module-level function). ``timeout`` bounds the whole run;
+    ``comm_timeout`` bounds each collective inside it.
+    """
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=comm_timeout))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, comm_timeout, check,
+                                              fn, args, results), daemon=True, name=f"meshtrain-rank{r}")
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    time.sleep(0.5)  # let a dying rank's report arrive first
+                    if results.empty():
+                        r = dead[0]
+                        raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} "
+                                          f"before reporting a result") from None
+                    continue
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in out]
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout:g}s") from None
+                continue
+            if status == "err":
+                exc, tb = value
+                if isinstance(exc, BaseException):
+                    if exc.args and isinstance(exc.args[0], str):
+                        exc.args = (f"[rank {rank}] {exc.args[0]}",) + exc.args[1:]
+                    raise exc from RankFailure(f"rank {rank} failed:\n{tb}")
+                raise RankFailure(f"rank {rank} failed:\n{tb}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+        del store
+    return [out[r] for r in range(world_size)]

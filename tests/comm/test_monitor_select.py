@@ -1,0 +1,101 @@
+"""Stats, flight recorder, cost-model selection/calibration, and the fusion buffer pool."""
+
+import json
+
+import pytest
+import torch
+
+import meshtrain.comm as mc
+from meshtrain.comm import select
+from meshtrain.comm.algorithms import REGISTRY
+
+
+def test_stats_count_ops_bytes_and_sent_bytes():
+    def fn(rank):
+        g = mc.new_group([0, 1])
+        x = torch.ones(1000)
+        for _ in range(3):
+            mc.all_reduce(x, algorithm="ring")
+        if rank in (0, 1):
+            mc.broadcast(torch.ones(10), 0, group=g, algorithm="direct")
+        return mc.stats()
+
+    out = mc.run_local(4, fn)
+    world = out[0][0]["ops"]["all_reduce"]
+    assert world["count"] == 3 and world["bytes"] == 3 * 4000
+    # ring all-reduce sends 2(p-1)/p of the buffer per rank
+    assert world["sent_bytes"] == 3 * 2 * 3 * 1000  # 2(p-1) steps x 250 floats x 4 bytes
+    assert out[0][1]["ops"]["broadcast"]["sent_bytes"] == 40  # root sends to one peer
+    assert out[1][1]["ops"]["broadcast"]["sent_bytes"] == 0
+    assert 1 not in out[2]  # rank 2 never used group 1
+
+
+def test_flight_recorder_keeps_last_n_and_dumps_json(tmp_path):
+    def fn(rank):
+        for i in range(5):
+            mc.all_reduce(torch.ones(3 + i), algorithm="tree")
+        return mc.flight_recorder(), mc.dump_flight_recorder(str(tmp_path / f"fr{rank}.json"))
+
+    out = mc.run_local(2, fn)
+    recs, path = out[1]
+    assert [r["seq"] for r in recs if r["op"] == "all_reduce"][-5:] == [1, 2, 3, 4, 5]
+    last = recs[-1]
+    assert last["shapes"] == [[7]] and last["dtype"] == "float32" and last["state"] == "completed"
+    assert last["end"] >= last["start"]
+    data = json.loads(open(path).read())
+    assert data["rank"] == 1 and data["records"][-1]["seq"] == 5
+
+
+def test_flight_recorder_records_failure():
+    def fn(rank):
+        try:
+            mc.all_reduce(torch.ones(2 + rank), algorithm="ring")
+        except mc.CollectiveMismatch:
+            return mc.flight_recorder()[-1]["state"]
+
+    assert mc.run_local(2, fn) == ["failed: CollectiveMismatch"] * 2
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_cost_model_orders_algorithms_as_theory_says(p):
+    m = select.CostModel(alpha=1e-4, beta=1e-9, gamma=2.5e-10)
+    small = min(REGISTRY["all_reduce"], key=lambda a: m.predict("all_reduce", a, 8, p))
+    big = min(REGISTRY["all_reduce"], key=lambda a: m.predict("all_reduce", a, 1 << 28, p))
+    assert small in ("recursive_doubling", "tree", "direct", "halving_doubling")  # latency-bound: few rounds
+    assert big in ("ring", "halving_doubling")  # bandwidth-bound: 2(p-1)/p n beta
+    xs = select.crossovers(m, "all_reduce", p)
+    assert xs[0][0] == 64 and xs[-1][1] == big
+
+
+def test_auto_agrees_across_ranks_and_calibration_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path))
+
+    def fn(rank):
+        x = torch.ones(257)
+        mc.all_reduce(x)  # auto: calibrates the world group first
+        model = mc.current().world.cost_model
+        return model.source, select.choose(mc.current().world, "all_reduce", 1 << 22), x[0].item()
+
+    first = mc.run_local(3, fn)
+    assert {r[0] for r in first} == {"measured"} and len({r[1] for r in first}) == 1
+    assert all(r[2] == 3.0 for r in first)
+    cached = json.loads((tmp_path / "calibration.json").read_text())
+    assert any(k.startswith("local::3:") for k in cached)
+    second = mc.run_local(3, fn)
+    assert {r[0] for r in second} == {"cache"}
+
+
+def test_coalesced_reuses_its_pool_buffer():
+    def fn(rank):
+        ts = [torch.full((n,), float(rank + 1)) for n in (3, 1, 7)]
+        mc.all_reduce_coalesced(ts, algorithm="ring")
+        pool = mc.current().world.pool
+        before = pool.nbytes()
+        ptr = pool.get("fusion", 11, torch.float32, torch.device("cpu")).data_ptr()
+        mc.all_reduce_coalesced([torch.ones(5), torch.ones(6)], algorithm="ring")
+        same = pool.get("fusion", 11, torch.float32, torch.device("cpu")).data_ptr() == ptr
+        return ts, before == pool.nbytes(), same
+
+    for ts, no_growth, same in mc.run_local(3, fn):
+        assert all(torch.equal(t, torch.full_like(t, 6.0)) for t in ts)
+        assert no_growth and same

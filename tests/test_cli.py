@@ -1,0 +1,48 @@
+"""The ``meshtrain bench comm`` command: tables, JSON, plot, and clear errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshtrain.cli import main
+
+
+def test_bench_comm_local_writes_checked_json_and_png(tmp_path, capsys):
+    js, png = tmp_path / "c.json", tmp_path / "c.png"
+    rc = main(["bench", "comm", "--transport", "local", "--world", "3", "--algorithms", "ring,tree",
+               "--sizes", "1K,64K", "--iters", "2", "--warmup", "1", "--json", str(js), "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "#       size         count      type   redop" in out and "algorithm=ring" in out
+    recs = json.loads(js.read_text())["records"]
+    assert {(r["algorithm"], r["size"]) for r in recs} == {(a, s) for a in ("ring", "tree") for s in (1024, 65536)}
+    for r in recs:
+        assert r["wrong"] == 0 and r["time_us"] > 0
+        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * 2 / 3)  # all-reduce factor 2(n-1)/n
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"])
+def test_bench_comm_other_ops_check_results(op, tmp_path):
+    js = tmp_path / "o.json"
+    algos = "direct" if op == "all_to_all" else "direct,ring"
+    assert main(["bench", "comm", "--transport", "local", "--world", "2", "--op", op, "--algorithms", algos,
+                 "--sizes", "4K", "--iters", "1", "--warmup", "0", "--json", str(js)]) == 0
+    assert all(r["wrong"] == 0 for r in json.loads(js.read_text())["records"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--transport", "carrier-pigeon"], "unknown transport"),
+    (["--algorithms", "ring,bogus"], "unknown algorithm"),
+    (["--sizes", "64M:1K"], "bad size range"),
+    (["--world", "two"], "--world"),
+])
+def test_bench_comm_bad_input_exits_nonzero_with_message(args, needle, tmp_path):
+    js = tmp_path / "never.json"
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.cli", "bench", "comm", *args, "--json", str(js)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert not js.exists()  # no partial output
