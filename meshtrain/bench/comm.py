@@ -2,7 +2,8 @@
 
 Each rank builds inputs whose exact result is known (small integers in float, so sums are exact),
 runs one checked call (``#wrong`` counts wrong elements, summed over ranks), then times warm
-iterations. Time is the slowest rank's mean. The peer ``native`` is torch.distributed's own
+iterations. Algorithms are interleaved per size over several trials; a trial's time is the slowest
+rank's mean, and the reported time is the median trial. The peer ``native`` is torch.distributed's own
 collective called directly, with no meshtrain code in the path.
 """
 
@@ -111,27 +112,35 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                        "gamma_GBps": 1 / model.gamma / 1e9,
                        "crossovers": {o: select.crossovers(model, o, p, nodes)
                                       for o in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")}}
-    for algo in cfg["algorithms"]:
-        for size in cfg["sizes"]:
-            count = max(size // elem, 0)
-            if op in ("all_gather", "reduce_scatter", "all_to_all"):
-                count -= count % p
+    trials = max(int(cfg.get("trials", 3)), 1)
+    for size in cfg["sizes"]:
+        count = max(size // elem, 0)
+        if op in ("all_gather", "reduce_scatter", "all_to_all"):
+            count -= count % p
+        cases = {}
+        for algo in cfg["algorithms"]:  # one checked call each, and the iteration count
             inp, out, expected = _inputs(op, count, p, rank, dtype)
             _call(op, algo, inp, out, p)
             result = out if op in ("all_gather", "reduce_scatter", "all_to_all") else inp
             wrong = int((result != expected).sum().item())
-            wrong = int(_max_over_ranks(wrong) if p > 1 else wrong)  # any rank's errors count
+            wrong = int(_max_over_ranks(wrong)) if p > 1 else wrong  # any rank's errors count
             t0 = time.perf_counter()
             _call(op, algo, inp, out, p)
             first = _max_over_ranks(time.perf_counter() - t0)
             iters = cfg.get("iters") or int(min(max(math.ceil(cfg["target_s"] / max(first, 1e-6)), 3), 200))
-            for _ in range(cfg["warmup"]):
-                _call(op, algo, inp, out, p)
-            mc.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                _call(op, algo, inp, out, p)
-            secs = _max_over_ranks((time.perf_counter() - t0) / iters)
+            cases[algo] = {"inp": inp, "out": out, "wrong": wrong, "iters": iters, "times": []}
+        # Trials interleave the algorithms, so drift in machine load hits all of them alike.
+        for _ in range(trials):
+            for algo, c in cases.items():
+                for _ in range(cfg["warmup"]):
+                    _call(op, algo, c["inp"], c["out"], p)
+                mc.barrier()
+                t0 = time.perf_counter()
+                for _ in range(c["iters"]):
+                    _call(op, algo, c["inp"], c["out"], p)
+                c["times"].append(_max_over_ranks((time.perf_counter() - t0) / c["iters"]))
+        for algo, c in cases.items():
+            secs = sorted(c["times"])[len(c["times"]) // 2]  # median trial
             nbytes = count * elem
             algbw = nbytes / secs / 1e9 if secs > 0 else 0.0
             records.append({
@@ -139,8 +148,10 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                 "algorithm": algo, "world_size": p, "size": nbytes, "count": count, "dtype": cfg["dtype"],
                 "redop": "sum" if op in ("all_reduce", "reduce", "reduce_scatter") else "none",
                 "root": 0 if op in ("broadcast", "reduce") else -1, "time_us": secs * 1e6, "algbw": algbw,
-                "busbw": algbw * BUSBW_FACTOR[op](p), "wrong": wrong, "iters": iters,
+                "busbw": algbw * BUSBW_FACTOR[op](p), "wrong": c["wrong"], "iters": c["iters"],
+                "trials_us": [t * 1e6 for t in c["times"]],
             })
+    records.sort(key=lambda r: (cfg["algorithms"].index(r["algorithm"]), r["size"]))
     if rank != 0:
         return None
     return {"records": records, "calibration": calibration}

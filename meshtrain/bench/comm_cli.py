@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes of a LO:HI range")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: enough for ~0.3 s)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--trials", type=int, default=3, help="interleaved trials per size; the median is reported")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one collective may take")
     p.add_argument("--calibrate", action="store_true", help="fit and print the alpha-beta-gamma model and crossovers")
     p.add_argument("--json", dest="json_path", help="write one record per transport/op/algorithm/world/size")
@@ -60,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
         for tr in transports:
             use = [a for a in algos if a != "native" or tr == "torch"]
             cfg = {"op": args.op, "algorithms": use, "sizes": sizes, "dtype": args.dtype, "iters": args.iters,
-                   "warmup": args.warmup, "target_s": 0.3, "calibrate": args.calibrate}
+                   "warmup": args.warmup, "trials": args.trials, "target_s": 0.2, "calibrate": args.calibrate}
             out = run_transport(tr, world, cfg, args.timeout)
             if out.get("calibration"):
                 calibrations[f"{tr}:{world}"] = out["calibration"]

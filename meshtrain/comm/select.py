@@ -21,7 +21,7 @@ from .algorithms import REGISTRY
 from .algorithms.base import Ctx
 from .types import ReduceOp, combine_
 
-SEGMENT = 2 << 20  # ring.SEGMENT_BYTES
+SEGMENT = 4 << 20  # ring.SEGMENT_BYTES
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from ..types import ReduceOp, combine_
 from .base import Ctx, even_bounds
 
-SEGMENT_BYTES = 2 << 20  # 2 MiB: gloo p2p has a high per-message cost; see docs/benchmarks.md
+SEGMENT_BYTES = 4 << 20  # 4 MiB: a gloo p2p message costs ~100 us, so few large segments win (docs/benchmarks.md)
 
 
 def _segments(lo: int, hi: int, elem: int) -> list[tuple[int, int]]:
