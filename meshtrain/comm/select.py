@@ -1,6 +1,8 @@
 """``algorithm="auto"``: the alpha-beta-gamma cost model (Thakur, Rabenseifner & Gropp 2005).
 
-A message of n bytes costs α + n·β; reducing n bytes costs n·γ. Each algorithm's time is a formula
+A message of n bytes costs α + n·β; reducing n bytes costs n·γ. A rank's messages are charged one
+α each even when posted together (the direct algorithms): on host-driven transports every message
+costs CPU time, and these are host-driven. Each algorithm's time is a formula
 in α, β, γ, n and p; ``auto`` picks the cheapest. α, β and γ are fitted per group by a short
 ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call, and
 cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
@@ -48,26 +50,26 @@ class CostModel:
                 "halving_doubling": 2 * math.log2(pp) * a + 2 * f * n * b + f * n * g + fold,
                 "recursive_doubling": math.log2(pp) * (a + n * b + n * g) + fold,
                 "tree": 2 * lg * (a + n * b) + lg * n * g,
-                "direct": a + (p - 1) * n * b + (p - 1) * n * g,
+                "direct": (p - 1) * (a + n * b + n * g),
                 "hierarchical": (2 * math.ceil(math.log2(max(p // max(nodes, 1), 1)) or 0) * (a + n * b)
                                  + 2 * (nodes - 1) * a + 2 * n * b + n * g) if nodes > 1 else math.inf,
             }[algorithm]
         if op == "reduce":
             return {"tree": lg * (a + n * b + n * g),
                     "ring": 2 * (p - 1) * a + 2 * f * n * b + f * n * g,
-                    "direct": a + (p - 1) * n * b + (p - 1) * n * g}[algorithm]
+                    "direct": (p - 1) * (a + n * b + n * g)}[algorithm]
         if op == "broadcast":
             s = max(math.ceil(n / SEGMENT), 1)
             return {"tree": lg * (a + n * b),
                     "ring": (p - 2 + s) * (a + n / s * b),
-                    "direct": a + (p - 1) * n * b}[algorithm]
+                    "direct": (p - 1) * (a + n * b)}[algorithm]
         if op == "all_gather":
             return {"ring": (p - 1) * a + f * n * b,
                     "recursive_doubling": lg * a + f * n * b + n * b / 4,
-                    "direct": a + f * n * b * 1.2}[algorithm]
+                    "direct": (p - 1) * a + f * n * b * 1.2}[algorithm]
         if op == "reduce_scatter":
             return {"ring": (p - 1) * a + f * n * (b + g),
-                    "direct": a + f * n * b * 1.2 + f * n * g}[algorithm]
+                    "direct": (p - 1) * a + f * n * b * 1.2 + f * n * g}[algorithm]
         if op in ("gather", "scatter"):
             return {"tree": lg * a + f * n * b, "direct": (p - 1) * a + f * n * b}[algorithm]
         return a * p + n * b

@@ -1,8 +1,9 @@
 """A torch.distributed ProcessGroup (gloo on CPU, NCCL on GPU) as a meshtrain transport.
 
 Point-to-point goes through the group's own send/recv (gloo matches same-tag messages in order).
-``exchange`` goes through the group's TCPStore: each rank sets one key, waits for the others' keys
-and reads them all, so a timeout can name exactly the ranks whose key is absent.
+``exchange`` goes through the group's TCPStore: each rank sets one key and reads everyone's with one
+blocking multi_get, so a timeout can name exactly the ranks whose key is absent. Each rank deletes
+its previous key once everyone has posted the next one (3 round trips per exchange).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class TorchTransport(Transport):
         self.store = dist.PrefixStore("meshtrain", store)
         self.backend = str(dist.get_backend(group))
         self._last_key: dict[str, str] = {}
+        self._store_timeout: float | None = None
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         return _TorchP2PWork(dist.isend(tensor, dst, group=self.group, tag=tag), dst, "send to", tensor)
@@ -76,14 +78,17 @@ class TorchTransport(Transport):
         own = f"x/{key}/{self.rank}"
         try:
             self.store.set(own, payload)
+            if self._store_timeout != timeout:  # a local setter, no round trip
+                self.store.set_timeout(datetime.timedelta(seconds=max(timeout, 0.001)))
+                self._store_timeout = timeout
             try:
-                self.store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
+                raw = self.store.multi_get(keys)  # waits for every key: one round trip, not two
             except Exception as exc:  # DistStoreError on timeout
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     raise
                 missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
                 raise PeerTimeout(f"ranks {missing} never arrived", missing) from None
-            values = [v.decode() for v in self.store.multi_get(keys)]
+            values = [v.decode() for v in raw]
             # Once everyone posted this key, everyone has finished reading the previous one.
             group_prefix = key.rsplit("/", 1)[0]
             prev = self._last_key.get(group_prefix)
