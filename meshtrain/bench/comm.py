@@ -149,6 +149,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                 "redop": "sum" if op in ("all_reduce", "reduce", "reduce_scatter") else "none",
                 "root": 0 if op in ("broadcast", "reduce") else -1, "time_us": secs * 1e6, "algbw": algbw,
                 "busbw": algbw * BUSBW_FACTOR[op](p), "wrong": c["wrong"], "iters": c["iters"],
+                "check": bool(cfg.get("check", True)) and algo != "native",
                 "trials_us": [t * 1e6 for t in c["times"]],
             })
     records.sort(key=lambda r: (cfg["algorithms"].index(r["algorithm"]), r["size"]))
@@ -181,10 +182,11 @@ def run_transport(transport: str, world: int, cfg: dict[str, Any], timeout: floa
     if transport == "local":
         from ..comm import run_local
 
-        return run_local(world, rank_main, cfg, timeout=timeout)[0]
+        return run_local(world, rank_main, cfg, timeout=timeout, check=cfg.get("check", True))[0]
     if transport == "torch":
         from ..comm.launch import spawn
 
         cfg["backend"] = "gloo"
-        return spawn(world, rank_main, cfg, timeout=timeout * 4 + 120, comm_timeout=timeout)[0]
+        return spawn(world, rank_main, cfg, timeout=timeout * 4 + 120, comm_timeout=timeout,
+                     check=cfg.get("check", True))[0]
     raise ValueError(f"unknown transport {transport!r}: use local or torch")

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trials", type=int, default=3, help="interleaved trials per size; the median is reported")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one collective may take")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="turn off meshtrain's cross-rank metadata check (shows its cost; native never has it)")
     p.add_argument("--calibrate", action="store_true", help="fit and print the alpha-beta-gamma model and crossovers")
     p.add_argument("--json", dest="json_path", help="write one record per transport/op/algorithm/world/size")
     p.add_argument("--plot", dest="plot_path", help="write a PNG of busbw against size")
@@ -61,7 +63,8 @@ def main(args: argparse.Namespace) -> int:
         for tr in transports:
             use = [a for a in algos if a != "native" or tr == "torch"]
             cfg = {"op": args.op, "algorithms": use, "sizes": sizes, "dtype": args.dtype, "iters": args.iters,
-                   "warmup": args.warmup, "trials": args.trials, "target_s": 0.2, "calibrate": args.calibrate}
+                   "warmup": args.warmup, "trials": args.trials, "target_s": 0.2, "calibrate": args.calibrate,
+                   "check": args.check}
             out = run_transport(tr, world, cfg, args.timeout)
             if out.get("calibration"):
                 calibrations[f"{tr}:{world}"] = out["calibration"]
@@ -69,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
             for algo in use:
                 rs = [r for r in out["records"] if r["algorithm"] == algo]
                 backend = f"({rs[0]['backend']})" if rs and rs[0]["backend"] else ""
-                print(report.header(f"transport={tr}{backend} world={world} op={args.op} algorithm={algo}"))
+                chk = "" if algo == "native" or args.check else " check=off"
+                print(report.header(f"transport={tr}{backend} world={world} op={args.op} algorithm={algo}{chk}"))
                 for r in rs:
                     print(report.row(r))
                 print()

@@ -60,6 +60,7 @@ class TorchTransport(Transport):
 
     def __init__(self, store: dist.Store, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self._pg = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.store = dist.PrefixStore("meshtrain", store)
@@ -67,11 +68,13 @@ class TorchTransport(Transport):
         self._last_key: dict[str, str] = {}
         self._store_timeout: float | None = None
 
+    # The ProcessGroup's own send/recv: dist.isend's Python checks and logging wrappers cost
+    # tens of microseconds per message, and an algorithm posts several messages per step.
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        return _TorchP2PWork(dist.isend(tensor, dst, group=self.group, tag=tag), dst, "send to", tensor)
+        return _TorchP2PWork(self._pg.send([tensor], dst, tag), dst, "send to", tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
-        return _TorchP2PWork(dist.irecv(tensor, src, group=self.group, tag=tag), src, "recv from", tensor)
+        return _TorchP2PWork(self._pg.recv([tensor], src, tag), src, "recv from", tensor)
 
     def exchange(self, key: str, ranks: Sequence[int], payload: str, timeout: float) -> list[str]:
         keys = [f"x/{key}/{r}" for r in ranks]
