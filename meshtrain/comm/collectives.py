@@ -24,6 +24,9 @@ def _group(group: Group | None) -> Group:
         return current().world
     if not isinstance(group, Group):
         raise ValueError(f"invalid group {group!r}: pass a group made by meshtrain.comm.new_group(), or None")
+    if group.rank < 0:  # checked first: a non-member must not even join the algorithm choice
+        raise ValueError(f"rank {group.comm.rank} is not a member of group {group.gid} (ranks {group.ranks}); "
+                         "only members may call its collectives")
     return group
 
 

@@ -33,7 +33,7 @@ class Group:
         self.pool = BufferPool()
         self.cost_model: Any = None  # fitted lazily by meshtrain.comm.select
         self._seq = 0
-        self._p2p_seq = 0
+        self._cal_seq = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._last: Work | None = None

@@ -161,7 +161,8 @@ def calibrate(group, force: bool = False) -> CostModel:
     key = _cache_key(group)
     cached = None if force else _load_cached(key)
     t = group.comm.transport
-    seq = group.next_seq()
+    group._cal_seq += 1  # its own counter: user-visible collective numbers stay 1, 2, 3, ...
+    seq = group._cal_seq
     offers = t.exchange(f"cal/{group.gid}/{seq}", group.ranks, json.dumps(cached), group.timeout)
     offer0 = json.loads(offers[0])
     if offer0 is not None:  # group rank 0's cache decides for everyone
