@@ -1,0 +1,203 @@
+"""Data parallelism: a naive reference and the bucketed, overlapped ``DataParallel``.
+
+Both average gradients over a group (the mesh's dp or dp x cp group), so the result equals the
+single-process gradient of the global batch when every rank holds an equal share of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .. import comm
+from ..comm import Group
+from .buckets import GradBucket, build_buckets
+
+CommHook = Callable[[GradBucket, Group], torch.Tensor]
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], group: Group, src_group_rank: int = 0) -> None:
+    """Broadcast ``tensors`` in place from the group's rank ``src_group_rank``: one message per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        ts = by_dtype[dtype]
+        flat = _flatten_dense_tensors([t.detach() for t in ts])
+        comm.broadcast(flat, src=group.ranks[src_group_rank], group=group)
+        for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
+            with torch.no_grad():
+                t.copy_(v)
+
+
+def allreduce_hook(bucket: GradBucket, group: Group) -> torch.Tensor:
+    """The default communication hook: average the bucket in place over the group."""
+    comm.all_reduce(bucket.buffer, op="avg", group=group)
+    return bucket.buffer
+
+
+class NaiveDataParallel(nn.Module):
+    """Reference data parallelism: after ``backward``, call ``sync_gradients()`` to all-reduce
+    (average) every gradient, one collective per parameter. Slow and obviously correct."""
+
+    def __init__(self, module: nn.Module, group: Group | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.group = group or comm.current().world
+        broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def sync_gradients(self) -> None:
+        """Average every parameter's gradient over the group (parameters without one are skipped)."""
+        for p in self.module.parameters():
+            if p.grad is not None:
+                comm.all_reduce(p.grad, op="avg", group=self.group)
+
+
+class DataParallel(nn.Module):
+    """Bucketed data parallelism with the reduction overlapped with backward, as torch DDP.
+
+    * Parameters and buffers are broadcast from the group's first rank when wrapped; buffers again
+      before every forward if ``broadcast_buffers`` (batch-norm statistics stay identical).
+    * Gradients live in flat buckets of about ``bucket_cap_mb`` in reverse registration order:
+      every ``.grad`` is a view into its bucket, so no flatten/unflatten copies are made. A
+      bucket's reduction starts on a background thread the moment its last gradient has been
+      accumulated (post-accumulate-grad hooks), while backward goes on; buckets are launched in
+      order, so every rank issues the same collectives in the same order. ``backward()`` returns
+      once every bucket is reduced.
+    * ``no_sync()`` accumulates gradients locally (gradient accumulation); the next backward
+      outside it reduces the sum.
+    * Parameters that receive no gradient in a backward: an error naming them, or with
+      ``find_unused_parameters=True`` they count as zero; those unused on every rank keep
+      ``grad = None`` so the optimizer skips them, as in a single process.
+    * ``comm_hook(bucket, group) -> averaged flat tensor`` replaces the all-reduce (see
+      ``meshtrain.comm.compress`` for fp16/bf16, int8, top-k and PowerSGD).
+    """
+
+    def __init__(self, module: nn.Module, group: Group | None = None, *, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 comm_hook: CommHook | None = None) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.module = module
+        self.group = group or comm.current().world
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.comm_hook: CommHook = comm_hook or allreduce_hook
+        broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.buckets = build_buckets(list(reversed(named)), int(bucket_cap_mb * (1 << 20)))
+        self._where: dict[int, tuple[GradBucket, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-dp")
+        self._futures: list[Future] = []
+        self._next = 0
+        self._sync = True
+        self._armed = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (after re-syncing buffers from the first rank if asked)."""
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            bufs = list(self.module.buffers())
+            if bufs:
+                broadcast_tensors(bufs, self.group)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (the backward after this block reduces)."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # -- backward machinery ---------------------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        view = b.view(i)
+        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # the grad was None before this backward (zero_grad(set_to_none))
+            p.grad = view
+        if not self._sync:
+            return
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        b.ready.add(i)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            b = self.buckets[self._next]
+            self._futures.append(self._worker.submit(self._reduce, b))
+            self._next += 1
+
+    def _reduce(self, b: GradBucket) -> None:
+        out = self.comm_hook(b, self.group)
+        if out is not b.buffer:
+            b.buffer.copy_(out.view_as(b.buffer))
+
+    def _finalize(self) -> None:
+        """End of backward: handle parameters without gradients, wait for every bucket."""
+        self._armed = False
+        try:
+            missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
+            if missing and not self.find_unused_parameters:
+                names = [b.names[i] for b, i in missing]
+                raise RuntimeError(
+                    f"DataParallel: parameter(s) {names[:10]}{' ...' if len(names) > 10 else ''} received "
+                    f"no gradient in this backward, so their buckets cannot be reduced. Pass "
+                    f"find_unused_parameters=True, or make every parameter take part in the loss."
+                )
+            used = torch.zeros(len(self._where))
+            for b, i in missing:
+                p = b.params[i]
+                if p.grad is None:
+                    b.view(i).zero_()  # contributes zero; stale values from an earlier step must not leak
+                b.ready.add(i)
+            self._launch_ready()
+            if self.find_unused_parameters:
+                k = 0
+                for b in self.buckets:
+                    for p in b.params:
+                        used[k] = float(p.grad is not None)
+                        k += 1
+                self._futures.append(self._worker.submit(comm.all_reduce, used, "max", self.group))
+            for f in self._futures:
+                f.result()
+            if self.find_unused_parameters:
+                k = 0
+                for b in self.buckets:
+                    for i, p in enumerate(b.params):
+                        p.grad = b.view(i) if used[k] > 0 else None
+                        k += 1
+        finally:
+            self._futures = []
+            self._next = 0
+            for b in self.buckets:
+                b.ready.clear()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero every bucket (keeping ``.grad`` as views), or drop the grads with ``set_to_none``."""
+        for b in self.buckets:
+            if set_to_none:
+                for p in b.params:
+                    p.grad = None
+            else:
+                b.buffer.zero_()
+                for i, p in enumerate(b.params):
+                    p.grad = b.view(i)
