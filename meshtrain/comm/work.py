@@ -25,12 +25,19 @@ class Work:
 
     # -- completion (called by whoever runs the operation) ---------------------------------
     def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self._result, self._exc = result, exc
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
+        # Callbacks run before waiters wake, so after wait() their effects are visible.
+        self._result, self._exc = result, exc
+        while True:
+            with self._lock:
+                callbacks, self._callbacks = self._callbacks, []
+                if not callbacks:
+                    self._done.set()
+                    return
+            for cb in callbacks:
+                try:
+                    cb(self)
+                except BaseException as err:  # noqa: BLE001 - surfaces in wait()
+                    self._exc = self._exc or err
 
     def _progress(self, timeout: float | None) -> bool:
         """Drive the operation; return True once done. Subclasses that complete lazily override."""
@@ -62,7 +69,8 @@ class Work:
         return self._result
 
     def add_done_callback(self, fn: Callable[["Work"], None]) -> None:
-        """Call ``fn(work)`` once the operation finishes (immediately if it already has)."""
+        """Call ``fn(work)`` once the operation finishes (immediately if it already has), before
+        ``wait()`` returns; ``fn`` must not wait on this work. Its error surfaces in ``wait()``."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)

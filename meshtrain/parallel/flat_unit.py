@@ -1,0 +1,149 @@
+"""FlatUnit: a set of parameters flattened into one buffer and sharded evenly over a group.
+
+This is ZeRO's (and FSDP's FlatParameter's) unit of communication. Rank r of the group owns
+elements [r*S, (r+1)*S) of the flat buffer, padded with zeros to a multiple of the group size. It
+keeps an fp32 ``master`` copy of its shard for the optimizer. The full buffer (``full``, in the
+compute dtype) holds the parameters as views. For ZeRO-3 it exists only between ``gather`` and
+``free``: freeing resizes its storage to zero, so the views and the tensors that autograd saved
+stay valid and see the data again after the next gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..comm import Group, Work
+
+
+class FlatUnit:
+    """One shard-able block of parameters (see the module docstring)."""
+
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], group: Group,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+        self.index = index
+        self.group = group
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.offsets: list[int] = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        world = max(group.size, 1)
+        self.shard_size = math.ceil(total / world) if total else 0
+        self.padded = self.shard_size * world
+        rank = max(group.rank, 0)
+        self.lo = rank * self.shard_size  # this rank's shard: [lo, lo + shard_size) of the flat buffer
+        src = self.params[0] if self.params else torch.empty(0)
+        self.param_dtype = param_dtype or src.dtype
+        self.reduce_dtype = reduce_dtype or torch.float32
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=src.device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        self.master = nn.Parameter(flat[self.lo : self.lo + self.shard_size].clone())
+        self.full = flat.to(self.param_dtype) if self.param_dtype != torch.float32 else flat
+        self._bind()
+        self.grad_full: torch.Tensor | None = None
+        self.ready: set[int] = set()
+        self.gathered = True
+        self._pending: Work | None = None
+
+    def _bind(self) -> None:
+        """Point every parameter at its slice of ``full``."""
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = self.full[off : off + math.prod(shape)].view(shape)
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def free(self) -> None:
+        """Release the full parameters' memory (ZeRO-3); the views stay valid for the next gather."""
+        if self.gathered and self.padded:
+            self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def gather(self, async_op: bool = False) -> Work | None:
+        """All-gather every rank's shard into ``full`` (in the compute dtype)."""
+        if self.gathered or self._pending is not None:
+            return self._pending
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        shard = self.master.detach().to(self.param_dtype)
+        work = comm.all_gather_into_tensor(self.full, shard, group=self.group, async_op=async_op)
+        if async_op:
+            self._pending = work
+            return work
+        self.gathered = True
+        return None
+
+    def wait_gathered(self) -> None:
+        """Block until the parameters are present (gathering now if no prefetch is in flight)."""
+        if self._pending is not None:
+            work, self._pending = self._pending, None
+            work.wait()
+            self.gathered = True
+        elif not self.gathered:
+            self.gather()
+
+    def refresh(self) -> None:
+        """After an optimizer step: bring the (still allocated) full parameters up to date."""
+        self.gathered = False
+        self._pending = None
+        self.gather()
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Accumulate parameter ``i``'s gradient into the unit's full gradient buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=grad.device)
+        off = self.offsets[i]
+        self.grad_full[off : off + grad.numel()].add_(grad.reshape(-1))
+        self.ready.add(i)
+
+    def complete(self) -> bool:
+        """True once every parameter's gradient of this backward has arrived."""
+        return len(self.ready) == len(self.params)
+
+    def reduce_scatter(self, keep_full: bool) -> Work:
+        """Start averaging the gradient over the group into this rank's shard; when it is done,
+        it is added to ``master.grad`` and the full gradient buffer is zeroed (``keep_full``,
+        ZeRO-1) or dropped (ZeRO-2/3). Issued from the calling thread, so every rank orders its
+        collectives identically."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.master.device)
+        full = self.grad_full
+        shard = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.master.device)
+        work = comm.reduce_scatter_tensor(shard, full, op="avg", group=self.group, async_op=True)
+
+        def done(w: Work) -> None:
+            if w._exc is not None:  # the error is raised by whoever waits
+                return
+            g = shard.float()
+            if self.master.grad is None:
+                self.master.grad = g
+            else:
+                self.master.grad.add_(g)
+            if keep_full:
+                full.zero_()
+
+        work.add_done_callback(done)
+        if not keep_full:
+            self.grad_full = None  # the collective holds the buffer until it is done
+        return work
+
+    def param_name_slices(self) -> list[tuple[str, int, int, int]]:
+        """For each parameter that overlaps this rank's shard: (name, start in the parameter's
+        flat values, start in the shard, length). A checkpoint stores shards with this map."""
+        out = []
+        hi = self.lo + self.shard_size
+        for name, p, off in zip(self.names, self.params, self.offsets):
+            a, b = max(off, self.lo), min(off + math.prod(p.shape), hi)
+            if a < b:
+                out.append((name, a - off, a - self.lo, b - a))
+        return out

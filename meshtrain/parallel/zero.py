@@ -1,0 +1,278 @@
+"""ZeRO stages 1-3 over a data-parallel group (Rajbhandari et al. 2020), with mixed precision.
+
+``ZeroModel(module, stage=s, group=dp)`` flattens the parameters into ``FlatUnit``s, each sharded
+evenly over the group, and ``ZeroOptimizer(zero_model, torch.optim.AdamW, lr=...)`` runs any torch
+optimizer on this rank's fp32 shards only:
+
+* stage 1: optimizer state is 1/dp per rank; every rank keeps full parameters and a full gradient
+  buffer;
+* stage 2: gradients too. Each unit's gradient is reduce-scattered the moment its last gradient
+  has arrived (overlapping the rest of backward) and the full buffer is dropped;
+* stage 3: parameters too. Each unit (by default every direct child module that has parameters,
+  plus a root unit for the rest) is all-gathered just before its forward and again before its
+  backward, prefetching the next unit while the current one computes, and freed afterwards.
+
+Gradient accumulation: call backward several times, then ``step``; the shard gradients add up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..comm import Group, Work
+from .flat_unit import FlatUnit
+from .precision import MixedPrecision
+
+
+class ZeroModel(nn.Module):
+    """A module whose parameters are sharded over ``group`` in ZeRO ``stage`` 1, 2 or 3."""
+
+    def __init__(self, module: nn.Module, stage: int, group: Group | None = None, *,
+                 units: Iterable[nn.Module] | None = None, mixed_precision: MixedPrecision | None = None,
+                 prefetch: bool = True) -> None:
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        self.module = module
+        self.stage = stage
+        self.group = group or comm.current().world
+        self.mp = mixed_precision or MixedPrecision()
+        self.prefetch = prefetch
+        from .data import broadcast_tensors
+
+        broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
+        blocks = list(units) if units is not None else [
+            m for m in module.children() if any(p.requires_grad for p in m.parameters())]
+        owner: dict[int, int] = {}
+        for b, m in enumerate(blocks):
+            for p in m.parameters():
+                owner.setdefault(id(p), b)
+        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                per_unit[owner.get(id(p), len(blocks))].append((name, p))
+        # unit 0 is the root (parameters outside every block), then the blocks in order
+        order = [len(blocks)] + list(range(len(blocks)))
+        order = [k for k in order if per_unit[k]]
+        self.units = [FlatUnit(i, per_unit[k], self.group, self.mp.param_dtype, self.mp.reduce_dtype)
+                      for i, k in enumerate(order)]
+        self._unit_of_module: dict[int, FlatUnit] = {}
+        self._root: FlatUnit | None = None
+        for u, k in zip(self.units, order):
+            if k < len(blocks):
+                self._unit_of_module[id(blocks[k])] = u
+            else:
+                self._root = u
+        self._where = {}
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                self._where[id(p)] = (u, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._works: list[Work] = []
+        self._launched: set[int] = set()
+        self._armed = False
+        if stage == 3:
+            for m in blocks:
+                if id(m) in self._unit_of_module:
+                    m.register_forward_pre_hook(self._pre_forward)
+                    m.register_forward_hook(self._post_forward)
+            for u in self.units:
+                u.free()
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; for ZeRO-3 the root unit is gathered for the whole step."""
+        if self.stage == 3 and self._root is not None:
+            self._root.wait_gathered()
+        if self.mp.param_dtype != torch.float32:
+            args = tuple(a.to(self.mp.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                         for a in args)
+        out = self.module(*args, **kwargs)
+        if self.mp.output_dtype is not None and torch.is_tensor(out) and out.is_floating_point():
+            out = out.to(self.mp.output_dtype)
+        return out
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        u = self._unit_of_module[id(module)]
+        u.wait_gathered()
+        if self.prefetch and torch.is_grad_enabled() and u.index + 1 < len(self.units):
+            self.units[u.index + 1].gather(async_op=True)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        u = self._unit_of_module[id(module)]
+        u.free()
+        if torch.is_grad_enabled():
+            fired = [False]
+
+            def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+                if not fired[0]:
+                    fired[0] = True
+                    self._arm()
+                    u.wait_gathered()
+                    prev = u.index - 1
+                    if self.prefetch and prev >= 0:
+                        self.units[prev].gather(async_op=True)
+                return grad
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(pre_backward)
+        return output
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        u, i = self._where[id(p)]
+        self._arm()
+        u.add_grad(i, p.grad)
+        p.grad = None
+        if u.complete():
+            self._launch(u)
+
+    def _launch(self, u: FlatUnit) -> None:
+        """Reduce-scatter ``u`` on the worker thread, in the same order on every rank."""
+        # Units complete in reverse order; one that finishes early waits for the later ones, so
+        # the sequence of collectives is identical everywhere.
+        pending = [v for v in reversed(self.units) if v.index not in self._launched]
+        for v in pending:
+            if not v.complete():
+                break
+            self._launched.add(v.index)
+            if self.stage == 3 and v is not self._root:
+                v.free()
+            self._works.append(v.reduce_scatter(keep_full=self.stage == 1))
+
+    def _finalize(self) -> None:
+        """End of backward: every unit must be complete; wait for all reductions."""
+        self._armed = False
+        try:
+            missing = [u.names[i] for u in self.units for i in range(len(u.params)) if i not in u.ready]
+            if missing:
+                raise RuntimeError(
+                    f"ZeRO: parameter(s) {missing[:10]} received no gradient in this backward; ZeRO "
+                    f"reduces whole units, so every parameter must take part in the loss (or set "
+                    f"requires_grad=False on the unused ones before wrapping)."
+                )
+            for w in self._works:
+                w.wait()
+        finally:
+            self._works = []
+            self._launched.clear()
+            for u in self.units:
+                u.ready.clear()
+            if self.stage == 3 and self._root is not None:
+                self._root.free()
+
+    # -- parameters for outside use --------------------------------------------------------------
+
+    def gather_all(self) -> None:
+        """Make every parameter present (e.g. to read or save the full model under ZeRO-3)."""
+        for u in self.units:
+            u.wait_gathered()
+
+    def free_all(self) -> None:
+        """Undo ``gather_all`` under ZeRO-3 (a no-op for stages 1 and 2)."""
+        if self.stage == 3:
+            for u in self.units:
+                u.free()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state (parameters in fp32 from the masters, plus buffers) on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            flat = torch.empty(u.padded, dtype=torch.float32, device=u.master.device)
+            comm.all_gather_into_tensor(flat, u.master.detach(), group=self.group)
+            for name, off, shape in zip(u.names, u.offsets, u.shapes):
+                out[name] = flat[off : off + shape.numel()].view(shape).clone()
+        for name, b in self.module.named_buffers():
+            out[name] = b.detach().clone()
+        return out
+
+
+class ZeroOptimizer:
+    """Runs ``optimizer_cls`` on a ZeroModel's fp32 shards and puts the results back.
+
+    ``clip_grad_norm_(max_norm)`` clips by the norm over all shards of all ranks;
+    ``scaler`` (a ``DynamicLossScaler``) skips steps whose gradients overflowed on any rank.
+    """
+
+    def __init__(self, model: ZeroModel, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer_cls([u.master for u in model.units], **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (set ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the shard gradients."""
+        for u in self.model.units:
+            u.master.grad = None
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the full gradient, from every rank's shards (padding is zero)."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for u in self.model.units:
+            if u.master.grad is not None:
+                sq += u.master.grad.double().pow(2).sum()
+        comm.all_reduce(sq, op="sum", group=self.model.group)
+        return float(sq.sqrt())
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the shard gradients so the global norm is at most ``max_norm``; return the norm."""
+        norm = self.grad_norm()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for u in self.model.units:
+                if u.master.grad is not None:
+                    u.master.grad.mul_(coef)
+        return norm
+
+    def step(self, scaler: Any = None) -> bool:
+        """One optimizer step on the shards, then refresh the full parameters (stages 1, 2).
+        Returns False if ``scaler`` found inf/NaN on any rank and skipped it."""
+        if scaler is not None and not scaler.unscale_and_check([u.master for u in self.model.units],
+                                                              self.model.group):
+            self.zero_grad()
+            return False
+        self.optimizer.step()
+        if self.model.stage in (1, 2):
+            for u in self.model.units:
+                u.refresh()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, with the map from shards to parameter names."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "shards": [u.param_name_slices() for u in self.model.units],
+                "group_size": self.model.group.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict`` with the same group size and model."""
+        if state.get("group_size") != self.model.group.size:
+            raise ValueError(
+                f"optimizer state was saved with dp={state.get('group_size')}, this run has "
+                f"dp={self.model.group.size}; load it through a resharding checkpoint instead"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
