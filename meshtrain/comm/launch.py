@@ -1,4 +1,4 @@
-"""``spawn``: run a function on N real processes over torch.distributed (gloo), for tests and benchmarks.
+"""``spawn``: run a function on N real processes (gloo, or shared memory), for tests and benchmarks.
 
 The parent owns the TCPStore (port 0: the OS picks a free port, so there is no port race) and each
 child connects to it, initialises torch.distributed and meshtrain.comm, and runs ``fn(rank, *args)``.
@@ -23,8 +23,28 @@ class RankFailure(CollectiveError):
     """A spawned rank raised, died or timed out; the message holds its rank and traceback."""
 
 
+def _pack(value: Any) -> bytes:
+    """Serialise a result with torch.save: tensors put on a multiprocessing queue as they are would
+    travel as shared-memory handles that die with the child."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: float, check: bool,
-           fn: Callable[..., Any], args: tuple, results: Any) -> None:
+           fn: Callable[..., Any], args: tuple, results: Any, transport: str = "torch") -> None:
     try:
         import torch.distributed as dist
 
@@ -36,9 +56,9 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
                               timeout=datetime.timedelta(seconds=comm_timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=comm_timeout))
-        init(timeout=comm_timeout, check=check)
+        init(transport=transport, timeout=comm_timeout, check=check)
         out = fn(rank, *args)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", _pack(out)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         try:
             payload: Any = exc
@@ -62,11 +82,13 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
 
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
-          backend: str = "gloo", comm_timeout: float = 30.0, check: bool = True) -> list[Any]:
+          backend: str = "gloo", comm_timeout: float = 30.0, check: bool = True,
+          transport: str = "torch") -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return results in rank order.
 
     ``fn`` must be importable (a module-level function). ``timeout`` bounds the whole run;
-    ``comm_timeout`` bounds each collective inside it.
+    ``comm_timeout`` bounds each collective inside it; ``transport`` is passed to ``init``
+    (torch, shm or auto).
     """
     import torch.distributed as dist
 
@@ -75,7 +97,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
                           timeout=datetime.timedelta(seconds=comm_timeout))
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, comm_timeout, check,
-                                              fn, args, results), daemon=True, name=f"meshtrain-rank{r}")
+                                              fn, args, results, transport), daemon=True,
+                          name=f"meshtrain-rank{r}")
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -105,7 +128,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
                         exc.args = (f"[rank {rank}] {exc.args[0]}",) + exc.args[1:]
                     raise exc from RankFailure(f"rank {rank} failed:\n{tb}")
                 raise RankFailure(f"rank {rank} failed:\n{tb}")
-            out[rank] = value
+            out[rank] = _unpack(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)
