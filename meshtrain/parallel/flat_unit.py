@@ -118,13 +118,27 @@ class FlatUnit:
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.master.device)
         full = self.grad_full
-        shard = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.master.device)
-        work = comm.reduce_scatter_tensor(shard, full, op="avg", group=self.group, async_op=True)
+        p, size = self.group.size, self.shard_size
+        if self.reduce_dtype in (torch.float16, torch.bfloat16) and p > 1:
+            # meshtrain.comm sums half precision in fp32 on the wire; to send half the bytes,
+            # exchange the half-precision chunks (all-to-all) and sum them here in fp32
+            recv = torch.empty_like(full)
+            work = comm.all_to_all(list(recv.split(size)), list(full.split(size)), group=self.group,
+                                   async_op=True)
+
+            def result() -> torch.Tensor:
+                return recv.view(p, size).float().sum(0).div_(p)
+        else:
+            shard = torch.empty(size, dtype=self.reduce_dtype, device=self.master.device)
+            work = comm.reduce_scatter_tensor(shard, full, op="avg", group=self.group, async_op=True)
+
+            def result() -> torch.Tensor:
+                return shard.float()
 
         def done(w: Work) -> None:
             if w._exc is not None:  # the error is raised by whoever waits
                 return
-            g = shard.float()
+            g = result()
             if self.master.grad is None:
                 self.master.grad = g
             else:

@@ -21,6 +21,8 @@ class MixedPrecision:
     """Dtype in which gradients are reduced across ranks (fp32, or the compute dtype to halve bytes)."""
     output_dtype: torch.dtype | None = None
     """Cast floating-point outputs of the model to this dtype (e.g. fp32 logits for the loss)."""
+    buffer_dtype: torch.dtype | None = None
+    """Dtype of floating-point buffers during compute (None: ``param_dtype``)."""
 
     def __post_init__(self) -> None:
         ok = (torch.float32, torch.bfloat16, torch.float16)

@@ -45,6 +45,11 @@ class ZeroModel(nn.Module):
         from .data import broadcast_tensors
 
         broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
+        self._buffer_dtypes = {n: b.dtype for n, b in module.named_buffers()}
+        bdtype = self.mp.buffer_dtype or self.mp.param_dtype
+        for b in module.buffers():
+            if b.is_floating_point() and b.dtype != bdtype:
+                b.data = b.data.to(bdtype)
         blocks = list(units) if units is not None else [
             m for m in module.children() if any(p.requires_grad for p in m.parameters())]
         owner: dict[int, int] = {}
@@ -195,7 +200,7 @@ class ZeroModel(nn.Module):
             for name, off, shape in zip(u.names, u.offsets, u.shapes):
                 out[name] = flat[off : off + shape.numel()].view(shape).clone()
         for name, b in self.module.named_buffers():
-            out[name] = b.detach().clone()
+            out[name] = b.detach().to(self._buffer_dtypes.get(name, b.dtype)).clone()
         return out
 
 
