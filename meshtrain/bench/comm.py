@@ -110,7 +110,8 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
         nodes = len(set(mc.current().world.hosts))
         calibration = {"alpha_us": model.alpha * 1e6, "beta_GBps": 1 / model.beta / 1e9,
                        "gamma_GBps": 1 / model.gamma / 1e9,
-                       "crossovers": {o: select.crossovers(model, o, p, nodes)
+                       "crossovers": {o: select.crossovers(model, o, p, nodes,
+                                                           extra=("shm",) if cfg["transport"] == "shm" else ())
                                       for o in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")}}
     trials = max(int(cfg.get("trials", 3)), 1)
     for size in cfg["sizes"]:
@@ -177,16 +178,17 @@ def memcpy_gbps(nbytes: int = 16 << 20, reps: int = 20) -> float:
 
 
 def run_transport(transport: str, world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Spawn ``world`` ranks on ``transport`` (threads for local, processes over gloo for torch)."""
+    """Spawn ``world`` ranks on ``transport``: threads for local, processes over gloo for torch,
+    processes over shared memory for shm."""
     cfg = dict(cfg, transport=transport)
     if transport == "local":
         from ..comm import run_local
 
         return run_local(world, rank_main, cfg, timeout=timeout, check=cfg.get("check", True))[0]
-    if transport == "torch":
+    if transport in ("torch", "shm"):
         from ..comm.launch import spawn
 
-        cfg["backend"] = "gloo"
+        cfg["backend"] = "gloo" if transport == "torch" else ""
         return spawn(world, rank_main, cfg, timeout=timeout * 4 + 120, comm_timeout=timeout,
-                     check=cfg.get("check", True))[0]
-    raise ValueError(f"unknown transport {transport!r}: use local or torch")
+                     check=cfg.get("check", True), transport=transport)[0]
+    raise ValueError(f"unknown transport {transport!r}: use local, torch or shm")

@@ -9,16 +9,21 @@ from typing import Any
 from . import report
 from .comm import DTYPES, OPS, memcpy_gbps, run_transport
 
-ALGOS = ("ring", "tree", "recursive_doubling", "halving_doubling", "hierarchical", "direct", "native", "auto")
+ALGOS = ("ring", "tree", "recursive_doubling", "halving_doubling", "hierarchical", "direct", "native", "shm",
+         "auto")
+TRANSPORTS = ("local", "torch", "shm")
+ONLY_ON = {"native": "torch", "shm": "shm"}  # algorithms that exist on one transport
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``meshtrain bench comm``."""
-    p.add_argument("--transport", default="torch", help="comma list of local,torch (default: torch = gloo processes)")
+    p.add_argument("--transport", default="torch",
+                   help="comma list of local,torch,shm (default: torch = gloo processes; shm = shared memory)")
     p.add_argument("--world", default="2", help="number of ranks; a comma list runs each (default: 2)")
     p.add_argument("--op", default="all_reduce", choices=OPS, help="collective to time")
-    p.add_argument("--algorithms", default="ring,halving_doubling,native",
-                   help="comma list; 'native' is torch.distributed's own (torch transport only)")
+    p.add_argument("--algorithms", default="ring,halving_doubling,shm,native",
+                   help="comma list; 'native' is torch.distributed's own (torch transport only), "
+                        "'shm' works on shared buffers (shm transport only)")
     p.add_argument("--sizes", default="1K:64M", help="LO:HI geometric range or comma list, e.g. 1K:64M or 16M,64M")
     p.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes of a LO:HI range")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -42,9 +47,9 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; returns the exit code."""
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    bad = [t for t in transports if t not in ("local", "torch")]
+    bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
-        return _fail(f"unknown transport {bad or transports}: use local and/or torch, e.g. --transport torch")
+        return _fail(f"unknown transport {bad or transports}: use local, torch and/or shm, e.g. --transport shm,torch")
     unknown = [a for a in algos if a not in ALGOS]
     if unknown or not algos:
         return _fail(f"unknown algorithm {unknown or algos}: choose from {', '.join(ALGOS)}")
@@ -61,11 +66,15 @@ def main(args: argparse.Namespace) -> int:
     calibrations = {}
     for world in worlds:
         for tr in transports:
-            use = [a for a in algos if a != "native" or tr == "torch"]
+            use = [a for a in algos if ONLY_ON.get(a, tr) == tr]
+            if not use:
+                continue
             cfg = {"op": args.op, "algorithms": use, "sizes": sizes, "dtype": args.dtype, "iters": args.iters,
                    "warmup": args.warmup, "trials": args.trials, "target_s": 0.2, "calibrate": args.calibrate,
                    "check": args.check}
             out = run_transport(tr, world, cfg, args.timeout)
+            for r in out["records"]:
+                r["memcpy_fraction"] = r["busbw"] / mem if mem > 0 else 0.0
             if out.get("calibration"):
                 calibrations[f"{tr}:{world}"] = out["calibration"]
                 _print_calibration(tr, world, out["calibration"])
@@ -111,12 +120,13 @@ def _print_ratios(records: list[dict[str, Any]]) -> None:
     peers = {(r["world_size"], r["size"]): r for r in records if r["algorithm"] == "native"}
     if not peers:
         return
-    print("# busbw ratio to torch.distributed's own collective (native), same run")
-    print(f"# {'world':>5} {'size':>10} " + " ".join(f"{'algorithm':>20}" for _ in [0]) + f" {'ratio':>7}")
+    print("# busbw ratio to torch.distributed's own collective (native, gloo), same run; "
+          "equal to native's time / this time. memcpy: busbw / single-core memcpy")
+    print(f"# {'world':>5} {'size':>10} {'algorithm':>20} {'ratio':>7} {'memcpy':>7}")
     for r in records:
         peer = peers.get((r["world_size"], r["size"]))
         if r["algorithm"] == "native" or peer is None or peer["busbw"] <= 0:
             continue
         print(f"  {r['world_size']:>5} {report_size(r['size']):>10} {r['transport'] + ':' + r['algorithm']:>20} "
-              f"{r['busbw'] / peer['busbw']:>7.2f}")
+              f"{r['busbw'] / peer['busbw']:>7.2f} {r.get('memcpy_fraction', 0.0):>7.1%}")
     print()

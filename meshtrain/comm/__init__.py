@@ -6,8 +6,9 @@ Switch from torch.distributed by changing the import::
     dist.init()                      # under torchrun; or dist.run_local(4, fn) for threads
     dist.all_reduce(t, op="sum", algorithm="ring")
 
-Transports: ``local`` (ranks are threads), ``torch`` (a torch.distributed ProcessGroup: gloo/NCCL).
-Algorithms: ring, tree, recursive_doubling, halving_doubling, hierarchical, direct, native, auto.
+Transports: ``local`` (ranks are threads), ``torch`` (a torch.distributed ProcessGroup: gloo/NCCL),
+``shm`` (processes of one host through shared memory).
+Algorithms: ring, tree, recursive_doubling, halving_doubling, hierarchical, direct, native, shm, auto.
 """
 
 from __future__ import annotations
@@ -40,15 +41,29 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
     """Initialise this process's communicator from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), or wrap torch.distributed's default group if it is initialised.
 
-    ``backend`` is gloo or nccl (default: nccl if CUDA is available, else gloo); ``timeout`` bounds
-    every collective; ``check`` turns the cross-rank metadata check on or off.
+    ``transport``: ``torch`` (the torch.distributed group: gloo or NCCL), ``shm`` (shared memory;
+    every rank on this host), or ``auto``: NCCL's group when the backend is nccl (CUDA tensors),
+    else shm between ranks of a host and gloo between hosts (found through the store: hostname +
+    boot id). ``backend`` is gloo or nccl (default: nccl if CUDA is available, else gloo);
+    ``timeout`` bounds every collective; ``check`` turns the cross-rank metadata check on or off.
     """
-    if transport not in ("torch", "auto"):
-        raise ValueError(f"unknown transport {transport!r}: use 'torch' or 'auto' (threads: run_local)")
+    if transport not in ("torch", "shm", "auto"):
+        raise ValueError(f"unknown transport {transport!r}: use 'torch', 'shm' or 'auto' (threads: run_local)")
+    import torch.distributed as dist
+
     from .transport.torchdist import TorchTransport, init_torch_distributed
 
     store, _ = init_torch_distributed(backend, timeout)
-    comm = Communicator(TorchTransport(store), timeout=timeout, check=check, node_size=node_size)
+    if transport == "torch" or (transport == "auto" and dist.get_backend() == "nccl"):
+        t: Any = TorchTransport(store)
+    else:
+        from .transport.shm import ShmTransport
+
+        remote = TorchTransport(store) if transport == "auto" else None
+        t = ShmTransport.connect(dist.PrefixStore("meshtrain", store), dist.get_rank(),
+                                 dist.get_world_size(), timeout, remote=remote)
+    hosts = getattr(t, "hosts", None)
+    comm = Communicator(t, timeout=timeout, check=check, node_size=node_size, hosts=hosts)
     bind_process(comm)
     return comm
 

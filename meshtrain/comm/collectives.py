@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from . import runner, select
-from .algorithms import REGISTRY, algorithms_for, native
+from .algorithms import algorithms_for, lookup, native
 from .algorithms.base import Ctx
 from .communicator import Group, current
 from .types import ReduceOp, check_dtype, parse_op, work_dtype
@@ -76,9 +76,9 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
         if algo == "native":
             native.all_reduce(g.torch_group, buf, rop)
         elif algo == "hierarchical":
-            REGISTRY["all_reduce"][algo](ctx, buf, rop, g.comm.node_size)
+            lookup("all_reduce", algo)(ctx, buf, rop, g.comm.node_size)
         else:
-            REGISTRY["all_reduce"][algo](ctx, buf, rop)
+            lookup("all_reduce", algo)(ctx, buf, rop)
         _finish_avg(buf, rop, g.size)
         if back:
             tensor.copy_(buf.view(tensor.shape))
@@ -105,7 +105,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group 
         if algo == "native":
             native.reduce(g.torch_group, buf, rop, dst)
         else:
-            REGISTRY["reduce"][algo](ctx, buf, rop, root)
+            lookup("reduce", algo)(ctx, buf, rop, root)
         if ctx.rank == root:
             _finish_avg(buf, rop, g.size)
             if back:
@@ -129,7 +129,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
         if algo == "native":
             native.broadcast(g.torch_group, buf, src)
         else:
-            REGISTRY["broadcast"][algo](ctx, buf, root)
+            lookup("broadcast", algo)(ctx, buf, root)
         if back:
             tensor.copy_(buf.view(tensor.shape))
         return tensor
@@ -147,7 +147,7 @@ def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.
         n = inp.numel()
         buf = ctx.scratch("all_gather_out", n * g.size, inp.dtype)
         buf[ctx.rank * n : (ctx.rank + 1) * n].copy_(inp.reshape(-1))
-        REGISTRY["all_gather"][algo](ctx, buf)
+        lookup("all_gather", algo)(ctx, buf)
         for i, o in enumerate(outs):
             o.view(-1).copy_(buf[i * n : (i + 1) * n]) if o.is_contiguous() else o.copy_(buf[i * n : (i + 1) * n].view(o.shape))
         return outs
@@ -215,7 +215,7 @@ def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins
         buf = ctx.scratch("rs_in", n * g.size, wd)
         for i, t in enumerate(ins):
             buf[i * n : (i + 1) * n].copy_(t.reshape(-1))
-        REGISTRY["reduce_scatter"][algo](ctx, buf, rop)
+        lookup("reduce_scatter", algo)(ctx, buf, rop)
         mine = buf[ctx.rank * n : (ctx.rank + 1) * n]
         _finish_avg(mine, rop, g.size)
         out.copy_(mine.view(out.shape))

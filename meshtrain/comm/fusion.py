@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from . import runner
-from .algorithms import REGISTRY, native
+from .algorithms import lookup, native
 from .algorithms.base import Ctx
 from .collectives import _algorithm, _check_tensor, _finish_avg, _group, _meta
 from .communicator import Group
@@ -43,9 +43,9 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
         if algo == "native":
             native.all_reduce(g.torch_group, flat, rop)
         elif algo == "hierarchical":
-            REGISTRY["all_reduce"][algo](ctx, flat, rop, g.comm.node_size)
+            lookup("all_reduce", algo)(ctx, flat, rop, g.comm.node_size)
         else:
-            REGISTRY["all_reduce"][algo](ctx, flat, rop)
+            lookup("all_reduce", algo)(ctx, flat, rop)
         _finish_avg(flat, rop, g.size)
         off = 0
         for t in tensors:

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .algorithms import REGISTRY
+from .algorithms import REGISTRY, shm_direct
 from .algorithms.base import Ctx
 from .types import ReduceOp, combine_
 
 SEGMENT = 4 << 20  # ring.SEGMENT_BYTES
+SHM_CHUNK, SHM_SMALL = shm_direct.CHUNK_BYTES, shm_direct.SMALL_BYTES
 
 
 @dataclass
@@ -40,6 +41,8 @@ class CostModel:
         a, b, g, n = self.alpha, self.beta, self.gamma, float(nbytes)
         if p <= 1:
             return 0.0
+        if algorithm == "shm":
+            return self._predict_shm(op, n, p)
         lg = math.ceil(math.log2(p))
         pp = 1 << (p.bit_length() - 1)
         fold = 0.0 if pp == p else 2 * (a + n * b) + n * g
@@ -75,9 +78,31 @@ class CostModel:
         return a * p + n * b
 
 
+    def _predict_shm(self, op: str, n: float, p: int) -> float:
+        """The shm collectives: α per synchronisation step, one memory copy μ ≈ β/2 per byte
+        (a point-to-point byte is copied twice: into a slot and out of it), γ per byte reduced."""
+        a, mu, g = self.alpha, self.beta / 2, self.gamma
+        f = (p - 1) / p
+        steps = 2 * max(math.ceil(n / SHM_CHUNK), 1)
+        if op == "all_reduce":
+            if n <= SHM_SMALL:
+                return a + n * mu + (p - 1) * n * g
+            return steps * a + (2 * f + 1 / p) * n * mu + f * n * g
+        if op == "reduce_scatter":
+            return steps * a + f * n * (mu + g)
+        if op == "all_gather":
+            return steps * a + n * mu
+        if op == "broadcast":
+            return steps * a + 2 * n * mu
+        if op == "reduce":
+            return steps * a + n * mu + (p - 1) * n * g
+        return math.inf
+
+
 DEFAULTS = {
     "local": CostModel(30e-6, 1 / 3e9, 1 / 4e9),
     "torch": CostModel(300e-6, 1 / 0.8e9, 1 / 4e9),
+    "shm": CostModel(10e-6, 1 / 5e9, 1 / 4e9),
 }
 
 
@@ -184,6 +209,9 @@ def calibrate(group, force: bool = False) -> CostModel:
 def choose(group, op: str, nbytes: int) -> str:
     """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member)."""
     names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
+    t = group.comm.transport
+    if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks):
+        names.append("shm")
     if len(names) == 1 or group.size == 1:
         return names[0]
     if group.cost_model is None:
@@ -194,9 +222,10 @@ def choose(group, op: str, nbytes: int) -> str:
 
 
 def crossovers(model: CostModel, op: str, p: int, nodes: int = 1,
-               lo: int = 1 << 6, hi: int = 1 << 28) -> list[tuple[int, str]]:
-    """Sizes (bytes, doubling from ``lo``) where the cheapest algorithm changes, with the new winner."""
-    names = list(REGISTRY[op])
+               lo: int = 1 << 6, hi: int = 1 << 28, extra: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """Sizes (bytes, doubling from ``lo``) where the cheapest algorithm changes, with the new winner;
+    ``extra`` adds transport-specific algorithms (``("shm",)`` on the shm transport)."""
+    names = list(REGISTRY[op]) + [e for e in extra if e != "shm" or op in shm_direct.ALGORITHMS]
     out: list[tuple[int, str]] = []
     prev = None
     n = lo

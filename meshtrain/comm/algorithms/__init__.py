@@ -1,14 +1,15 @@
 """Collective algorithms, one plain function per (operation, algorithm), over a ``Ctx``.
 
 ``REGISTRY[op][name]`` is the function; ``native`` (torch.distributed's own collective) is handled
-by the front end because it bypasses the ``Ctx``.
+by the front end because it bypasses the ``Ctx``. ``shm`` (``shm_direct.ALGORITHMS``) works on the
+shm transport's shared buffers, so it is offered only there; ``lookup`` finds either kind.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from . import direct, hierarchical, recursive, ring, tree
+from . import direct, hierarchical, recursive, ring, shm_direct, tree
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "all_reduce": {
@@ -35,8 +36,17 @@ OPERATIONS = tuple(REGISTRY)
 
 
 def algorithms_for(op: str, transport_kind: str) -> list[str]:
-    """Algorithm names valid for ``op`` on a transport kind ("native" only on torch)."""
+    """Algorithm names valid for ``op`` on a transport kind ("native" only on torch, "shm" on shm)."""
     names = list(REGISTRY[op])
     if transport_kind == "torch":
         names.append("native")
+    if transport_kind == "shm" and op in shm_direct.ALGORITHMS:
+        names.append("shm")
     return names
+
+
+def lookup(op: str, name: str) -> Callable:
+    """The function of algorithm ``name`` for ``op`` (a REGISTRY entry, or a shm collective)."""
+    if name == "shm":
+        return shm_direct.ALGORITHMS[op]
+    return REGISTRY[op][name]

@@ -1,0 +1,186 @@
+"""Collectives that work on the shared buffers directly (the shm transport only): ``algorithm="shm"``.
+
+Point-to-point algorithms copy every byte twice per hop (into a slot, out of it). Here a rank
+copies its input into its own shared buffer once, and its peers read it from there:
+
+* all_reduce: rank i reduces slice i of the chunk straight out of every peer's buffer into its
+  own tensor, publishes the reduced slice, and every rank copies the other slices out (a
+  reduce-scatter and an all-gather through memory). Messages up to ``SMALL_BYTES`` take one step
+  instead: every rank reduces the whole message from all buffers, in rank order, so all ranks
+  get the same bits.
+* reduce_scatter / all_gather / broadcast / reduce: one copy in, one read out per byte.
+
+Messages larger than ``CHUNK_BYTES`` are cut into chunks that alternate between the two halves
+of each buffer (see ``transport/shm_area.py`` for the step protocol), so peers overlap.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..types import ReduceOp, combine_
+from .base import Ctx, even_bounds
+
+CHUNK_BYTES = int(os.environ.get("MESHTRAIN_SHM_CHUNK_BYTES", str(4 << 20)))
+SMALL_BYTES = 64 << 10
+
+
+def usable(ctx: Ctx) -> bool:
+    """True if ``ctx``'s group can run the shm collectives (shm transport, one host)."""
+    t = ctx.transport
+    return getattr(t, "kind", "") == "shm" and t.is_local(ctx.ranks)
+
+
+def _area(ctx: Ctx, half_bytes: int):
+    if not usable(ctx):
+        raise ValueError(
+            f"algorithm='shm' needs the shm transport with every rank of the group on one host; "
+            f"this group's ranks {ctx.ranks} are on {sorted(set(ctx.hosts))} over transport "
+            f"'{ctx.transport.kind}': use init(transport='shm' or 'auto'), or another algorithm"
+        )
+    area = ctx.transport.area(ctx.ranks, f"t{ctx.tag}", ctx.deadline)
+    area.reserve(half_bytes, max(CHUNK_BYTES, SMALL_BYTES), ctx.deadline)
+    return area
+
+
+def _per_chunk(es: int, blocks: int = 1) -> int:
+    """Elements per block in one chunk (a chunk holds ``blocks`` such blocks)."""
+    return max(CHUNK_BYTES // (es * blocks), 1)
+
+
+def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
+    """Reduce-scatter then all-gather through the shared buffers: per rank (p-1)/p·n copied in,
+    (p-1)/p·n reduced, n/p published, (p-1)/p·n copied out; two steps per chunk."""
+    p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
+    if p == 1 or n == 0:
+        return
+    if n * es <= SMALL_BYTES:
+        area = _area(ctx, n * es)
+        c, half = area.begin(ctx.deadline)
+        area.view(r, half, 0, n, buf.dtype).copy_(buf)
+        area.announce(2 * c + 1)
+        area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+        views = [area.view(k, half, 0, n, buf.dtype) for k in range(p)]
+        if op is ReduceOp.SUM or op is ReduceOp.AVG:
+            torch.add(views[0], views[1], out=buf)
+        else:
+            buf.copy_(views[0])
+            combine_(buf, views[1], op)
+        for k in range(2, p):
+            combine_(buf, views[k], op)
+        area.announce(2 * c + 2)
+        return
+    per = _per_chunk(es)
+    area = _area(ctx, min(n, per) * es)
+    for start in range(0, n, per):
+        x = buf[start : start + per]
+        b = even_bounds(x.numel(), p)
+        c, half = area.begin(ctx.deadline)
+
+        def shared(k: int, i: int) -> torch.Tensor:  # slice i of member k's buffer
+            return area.view(k, half, b[i] * es, b[i + 1] - b[i], buf.dtype)
+
+        for i in range(p):
+            if i != r:
+                shared(r, i).copy_(x[b[i] : b[i + 1]])
+        area.announce(2 * c + 1)
+        area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+        mine = x[b[r] : b[r + 1]]
+        for d in range(1, p):  # staggered, so the ranks do not all read one buffer at once
+            combine_(mine, shared((r + d) % p, r), op)
+        shared(r, r).copy_(mine)
+        area.announce(2 * c + 2)
+        area.wait_all(2 * c + 2, ctx.deadline, "reduced slices")
+        for d in range(1, p):
+            k = (r + d) % p
+            x[b[k] : b[k + 1]].copy_(shared(k, k))
+
+
+def reduce_scatter(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
+    """``buf`` holds p blocks; block r ends up reduced. Peers' blocks for r are read in place."""
+    p, r, es = ctx.size, ctx.rank, buf.element_size()
+    nb = buf.numel() // p
+    if p == 1 or nb == 0:
+        return
+    per = _per_chunk(es, p)
+    area = _area(ctx, min(nb, per) * p * es)
+    for s in range(0, nb, per):
+        m = min(per, nb - s)
+        c, half = area.begin(ctx.deadline)
+        for i in range(p):
+            if i != r:
+                area.view(r, half, i * m * es, m, buf.dtype).copy_(buf[i * nb + s : i * nb + s + m])
+        area.announce(2 * c + 1)
+        area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+        mine = buf[r * nb + s : r * nb + s + m]
+        for d in range(1, p):
+            combine_(mine, area.view((r + d) % p, half, r * m * es, m, buf.dtype), op)
+        area.announce(2 * c + 2)
+
+
+def all_gather(ctx: Ctx, buf: torch.Tensor) -> None:
+    """``buf`` holds p blocks, own in place: publish mine, copy every peer's out of its buffer."""
+    p, r, es = ctx.size, ctx.rank, buf.element_size()
+    nb = buf.numel() // p
+    if p == 1 or nb == 0:
+        return
+    per = _per_chunk(es)
+    area = _area(ctx, min(nb, per) * es)
+    for s in range(0, nb, per):
+        m = min(per, nb - s)
+        c, half = area.begin(ctx.deadline)
+        area.view(r, half, 0, m, buf.dtype).copy_(buf[r * nb + s : r * nb + s + m])
+        area.announce(2 * c + 1)
+        area.wait_all(2 * c + 1, ctx.deadline, "blocks")
+        for d in range(1, p):
+            k = (r + d) % p
+            buf[k * nb + s : k * nb + s + m].copy_(area.view(k, half, 0, m, buf.dtype))
+        area.announce(2 * c + 2)
+
+
+def broadcast(ctx: Ctx, buf: torch.Tensor, root: int) -> None:
+    """The root publishes each chunk once; every other rank copies it out."""
+    p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
+    if p == 1 or n == 0:
+        return
+    per = _per_chunk(es)
+    area = _area(ctx, min(n, per) * es)
+    for s in range(0, n, per):
+        x = buf[s : s + per]
+        c, half = area.begin(ctx.deadline)
+        if r == root:
+            area.view(r, half, 0, x.numel(), buf.dtype).copy_(x)
+            area.announce(2 * c + 1)
+        else:
+            area.announce(2 * c + 1)
+            area.wait(root, 0, 2 * c + 1, ctx.deadline, "the root's data")
+            x.copy_(area.view(root, half, 0, x.numel(), buf.dtype))
+        area.announce(2 * c + 2)
+
+
+def reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, root: int) -> None:
+    """Everyone publishes; the root reduces every peer's buffer into its own tensor."""
+    p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
+    if p == 1 or n == 0:
+        return
+    per = _per_chunk(es)
+    area = _area(ctx, min(n, per) * es)
+    for s in range(0, n, per):
+        x = buf[s : s + per]
+        c, half = area.begin(ctx.deadline)
+        if r != root:
+            area.view(r, half, 0, x.numel(), buf.dtype).copy_(x)
+            area.announce(2 * c + 1)
+        else:
+            area.announce(2 * c + 1)
+            area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+            for k in range(p):
+                if k != root:
+                    combine_(x, area.view(k, half, 0, x.numel(), buf.dtype), op)
+        area.announce(2 * c + 2)
+
+
+ALGORITHMS = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
+              "broadcast": broadcast, "reduce": reduce}

@@ -1,0 +1,191 @@
+"""The pieces under the shm transport: /dev/shm segments, process liveness, and the waiting policy.
+
+Segments are plain files in /dev/shm opened with ``os.open`` (mode 0600) and mapped with ``mmap``,
+not ``multiprocessing.shared_memory``: that class registers every segment with Python's
+resource_tracker, which warns about, and unlinks, segments it believes leaked when any process
+that merely attached to them exits. Every name starts with ``meshtrain.<pid of the owner>.``, so
+whoever finds a name whose owner is dead (a survivor, or the next start) can remove it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+SHM_DIR = os.environ.get("MESHTRAIN_SHM_DIR", "/dev/shm")
+PREFIX = "meshtrain."
+
+# Waiting policy, measured on 2 cores with 2 and 4 ranks (docs/benchmarks.md, "Waiting"):
+# spin for SPIN_S (a peer on another core answers within microseconds), then sched_yield until
+# YIELD_S (hands the core to a runnable peer when ranks outnumber cores), then sleep with a
+# growing period so an idle wait costs (almost) no CPU.
+SPIN_S = float(os.environ.get("MESHTRAIN_SHM_SPIN_US", "50")) * 1e-6
+_spin = [SPIN_S, SPIN_S]  # [current, cap]: halves after a wait spinning did not satisfy, doubles after a quick one
+YIELD_S = float(os.environ.get("MESHTRAIN_SHM_YIELD_US", "2000")) * 1e-6
+MAX_SLEEP_S = 1e-3
+LIVENESS_PERIOD_S = 0.05
+
+
+def segment_path(name: str) -> str:
+    """Absolute path of segment ``name``."""
+    return os.path.join(SHM_DIR, name)
+
+
+class Segment:
+    """A file in /dev/shm mapped into this process (created by its owner, opened by peers)."""
+
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.mm = mm
+        self.size = len(mm)
+        self.owner = owner
+        self.u8 = torch.frombuffer(mm, dtype=torch.uint8) if self.size else torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        """Create ``name`` with ``size`` zero bytes, mode 0600; it appears complete or not at all."""
+        path = segment_path(name)
+        tmp = path + ".tmp"
+        for stale in (tmp, path):  # same pid as ours: left by a dead process whose pid we reuse
+            try:
+                os.unlink(stale)
+            except FileNotFoundError:
+                pass
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # atomic: a peer never maps a half-sized file
+        return cls(name, mm, owner=True)
+
+    @classmethod
+    def open(cls, name: str) -> "Segment | None":
+        """Map an existing segment; None if it does not exist (yet)."""
+        try:
+            fd = os.open(segment_path(name), os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return cls(name, mm, owner=False)
+
+    def i64(self, offset: int, count: int) -> np.ndarray:
+        """``count`` int64 counters at byte ``offset`` (numpy: a scalar load costs ~100 ns)."""
+        return np.frombuffer(self.mm, dtype=np.int64, count=count, offset=offset)
+
+    def unlink(self) -> None:
+        """Remove the name (the mapping stays valid until every process drops it)."""
+        try:
+            os.unlink(segment_path(self.name))
+        except FileNotFoundError:
+            pass
+
+
+def alive(pid: int) -> bool:
+    """True if process ``pid`` exists and is not a zombie (a killed, not yet reaped child)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: existence only
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+def list_segments() -> list[str]:
+    """Names of every meshtrain segment in /dev/shm (of any process)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    except OSError:
+        return []
+
+
+def remove_segments_of(pids: Iterable[int]) -> list[str]:
+    """Unlink every meshtrain segment owned by one of ``pids``; returns the names removed."""
+    wanted = {f"{PREFIX}{pid}." for pid in pids}
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(PREFIX) and any(name.startswith(w) for w in wanted):
+            try:
+                os.unlink(segment_path(name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments of meshtrain processes that are gone (killed before they cleaned up)."""
+    dead = set()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith(PREFIX):
+            try:
+                pid = int(name.split(".")[1])
+            except (IndexError, ValueError):
+                continue
+            if pid != os.getpid() and not alive(pid):
+                dead.add(pid)
+    return remove_segments_of(dead) if dead else []
+
+
+def block(done: Callable[[], bool], deadline: float | None, on_timeout: Callable[[], None],
+          check_peers: Callable[[], None]) -> None:
+    """Wait until ``done()``: spin, then yield, then sleep (see SPIN_S). ``on_timeout`` raises once
+    ``deadline`` (time.monotonic) passes; ``check_peers`` runs every LIVENESS_PERIOD_S while asleep
+    and raises if a peer died, so a dead peer is reported long before the deadline."""
+    t0 = time.monotonic()
+    next_check = t0 + LIVENESS_PERIOD_S
+    spin = _spin[0]
+    while not done():
+        now = time.monotonic()
+        spent = now - t0
+        if spent < spin:
+            continue
+        if deadline is not None and now >= deadline:
+            on_timeout()
+            return
+        if spent < YIELD_S:
+            os.sched_yield()
+            continue
+        if now >= next_check:
+            check_peers()
+            next_check = now + LIVENESS_PERIOD_S
+        time.sleep(min(MAX_SLEEP_S, spent / 16))
+    # Spinning pays only while the peer runs on another core; when ranks share cores (or another
+    # job holds one) the peer cannot progress while we spin, so spin less after each miss.
+    spent = time.monotonic() - t0
+    _spin[0] = min(_spin[1], max(spin * 2, 1e-6)) if spent < max(spin, 20e-6) else spin / 2
+
+
+def oversubscribed(ranks_here: int) -> None:
+    """Turn spinning off when this host runs more ranks than this process may use cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if ranks_here > cores:
+        _spin[:] = [0.0, 0.0]
