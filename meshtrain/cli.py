@@ -16,6 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import comm_cli
 
     comm_cli.add_arguments(comm)
+    train = bsub.add_parser("train", help="DataParallel / ZeRO-3 tokens/s and memory vs torch DDP / FSDP2")
+    from .bench import train_cli
+
+    train_cli.add_arguments(train)
     return parser
 
 
@@ -26,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import comm_cli
 
         return comm_cli.main(args)
+    if args.command == "bench" and args.bench == "train":
+        from .bench import train_cli
+
+        return train_cli.main(args)
     return 2
 
 

@@ -1,0 +1,53 @@
+"""The Llama decoder: shapes, causality, rotary positions, config checks, presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtrain.models.llama import PRESETS, Llama, LlamaConfig, init_weights, num_params
+
+
+def _model(**kw) -> Llama:
+    m = Llama(LlamaConfig(**{**vars(PRESETS["test"]), **kw}))
+    init_weights(m, seed=0)
+    return m
+
+
+def test_logits_shape_and_causality():
+    m = _model()
+    x = torch.randint(0, 256, (2, 12))
+    y = m(x)
+    assert y.shape == (2, 12, 256)
+    x2 = x.clone()
+    x2[:, 8:] = (x2[:, 8:] + 1) % 256  # changing the future must not change the past
+    y2 = m(x2)
+    torch.testing.assert_close(y[:, :8], y2[:, :8])
+    assert not torch.allclose(y[:, 8:], y2[:, 8:])
+
+
+def test_positions_are_global():
+    m = _model()
+    x = torch.randint(0, 256, (1, 6))
+    # the default positions equal explicit 0..5, and shifted positions change the result
+    torch.testing.assert_close(m(x), m(x, torch.arange(6)))
+    assert not torch.allclose(m(x), m(x, torch.arange(6) + 10))
+
+
+def test_same_seed_same_weights_and_tied_head():
+    a, b = _model(), _model()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    t = _model(tie_embeddings=True)
+    assert t.head.weight is t.tok_emb.weight
+    assert num_params(t) == num_params(a) - 256 * 64
+
+
+def test_bad_config_and_too_long_input():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        LlamaConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _model()(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_preset_sizes():
+    assert 4.5e6 < num_params(Llama(PRESETS["5m"])) < 5.5e6
