@@ -1,0 +1,124 @@
+"""The shm transport when things go wrong: a peer killed with SIGKILL, a rank that never calls, a
+mismatched call, leftovers of a dead job in /dev/shm; and launching under torchrun and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtrain.comm.launch import RankFailure, spawn
+from meshtrain.comm.transport import shm_memory
+from meshtrain.errors import CollectiveMismatch, CollectiveTimeout
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _killed_peer(rank: int, out_dir: str) -> None:
+    import meshtrain.comm as mc
+
+    path = Path(out_dir) / f"rank{rank}.json"
+    mc.all_reduce(torch.ones(1000), algorithm="shm")  # everyone has mapped everyone's buffers
+    if rank == 2:
+        path.write_text(json.dumps({"pid": os.getpid()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.3)  # rank 2 is dead by now
+    report = {"pid": os.getpid()}
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            mc.all_reduce(torch.ones(50_000), algorithm="shm")
+        report["error"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["seconds"] = time.monotonic() - t0
+    path.write_text(json.dumps(report))
+
+
+@pytest.mark.timeout(60)
+def test_killed_peer_is_named_quickly_and_shm_is_left_clean(tmp_path):
+    stale = shm_memory.segment_path(f"{shm_memory.PREFIX}{_dead_pid()}.1.r0.p2p")
+    Path(stale).write_bytes(b"left by a job killed earlier")
+    with pytest.raises(RankFailure, match=r"rank 2 died with exit code -9"):
+        spawn(3, _killed_peer, str(tmp_path), timeout=50, comm_timeout=20, transport="shm")
+    assert not os.path.exists(stale)  # the next start removed the dead job's segment
+    reports = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)}
+    for r in (0, 1):  # the survivors: a clear error naming rank 2, long before the 20 s timeout
+        assert reports[r]["error"] is not None and "rank 2" in reports[r]["error"], reports[r]
+        assert "killed" in reports[r]["error"] and reports[r]["seconds"] < 5, reports[r]
+    pids = [reports[r]["pid"] for r in range(3)]
+    time.sleep(0.5)
+    left = [n for n in shm_memory.list_segments() if any(n.startswith(f"{shm_memory.PREFIX}{p}.") for p in pids)]
+    assert left == []
+
+
+def _errors(rank: int) -> dict:
+    import meshtrain.comm as mc
+
+    out: dict = {}
+    try:  # a mismatched call: every rank raises at once, naming the odd rank
+        mc.all_reduce(torch.ones(4 if rank != 1 else 6), algorithm="shm")
+    except CollectiveMismatch as exc:
+        out["mismatch"] = str(exc)
+    mc.barrier()
+    g = mc.new_group([0, 1, 2], timeout=1.5)
+    if rank != 2:  # rank 2 never calls
+        t0 = time.monotonic()
+        try:
+            mc.all_reduce(torch.ones(8), group=g, algorithm="shm")
+        except CollectiveTimeout as exc:
+            out["timeout"], out["seconds"] = str(exc), time.monotonic() - t0
+    mc.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_mismatch_and_missing_rank_over_shm():
+    res = spawn(3, _errors, timeout=50, comm_timeout=20, transport="shm")
+    assert all("ranks [1]: all_reduce shapes=[[6]]" in r["mismatch"] for r in res)
+    for r in res[:2]:
+        assert "rank(s) [2] never called it" in r["timeout"] and r["seconds"] < 5
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_four_ranks_auto_picks_shm():
+    before = set(shm_memory.list_segments())
+    proc = subprocess.run(
+        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", "4",
+         str(ROOT / "tests" / "comm" / "_shm_torchrun_worker.py")],
+        capture_output=True, text=True, timeout=80, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "shm worker OK world=4" in proc.stdout
+    assert set(shm_memory.list_segments()) <= before
+
+
+@pytest.mark.timeout(90)
+def test_bench_cli_shm_prints_table_and_checks_results(tmp_path):
+    out = tmp_path / "b.json"
+    proc = subprocess.run(
+        [str(VENV_BIN / "meshtrain"), "bench", "comm", "--transport", "shm", "--world", "2",
+         "--algorithms", "shm,ring", "--sizes", "1K,256K", "--trials", "1", "--iters", "3",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=80, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "transport=shm world=2 op=all_reduce algorithm=shm" in proc.stdout
+    recs = json.loads(out.read_text())["records"]
+    assert {(r["algorithm"], r["size"]) for r in recs} == {(a, s) for a in ("shm", "ring") for s in (1024, 262144)}
+    assert all(r["wrong"] == 0 and r["transport"] == "shm" for r in recs)
