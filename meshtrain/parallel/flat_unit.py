@@ -96,6 +96,25 @@ class FlatUnit:
         self._pending = None
         self.gather()
 
+    def shard_of(self, full: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This rank's shard of the flat vector made of ``full[name]`` for every parameter."""
+        out = torch.zeros(self.shard_size, dtype=dtype, device=self.master.device)
+        for name, p_start, s_start, length in self.param_name_slices():
+            t = full[name]
+            if t.numel() != math.prod(self.shapes[self.names.index(name)]):
+                raise ValueError(f"{name}: saved shape {tuple(t.shape)} does not match the model's "
+                                 f"{tuple(self.shapes[self.names.index(name)])}")
+            out[s_start : s_start + length] = t.reshape(-1)[p_start : p_start + length].to(dtype)
+        return out
+
+    def load_shard(self, full: dict[str, torch.Tensor]) -> None:
+        """Set the master shard from full parameter tensors and refresh the compute parameters."""
+        with torch.no_grad():
+            self.master.copy_(self.shard_of(full))
+            if self.gathered:
+                for name, p, off in zip(self.names, self.params, self.offsets):
+                    self.full[off : off + p.numel()].copy_(full[name].reshape(-1).to(self.full.dtype))
+
     # -- gradients -------------------------------------------------------------------------------
 
     def add_grad(self, i: int, grad: torch.Tensor) -> None:

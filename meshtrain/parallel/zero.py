@@ -204,6 +204,20 @@ class ZeroModel(nn.Module):
         return out
 
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) parameters and buffers, saved under any dp size; collective-free."""
+        names = {n for u in self.units for n in u.names} | {n for n, _ in self.module.named_buffers()}
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected "
+                           f"{unexpected[:5]}")
+        for u in self.units:
+            u.load_shard({n: state[n] for n in u.names})
+        for name, b in self.module.named_buffers():
+            with torch.no_grad():
+                b.copy_(state[name].to(b.dtype))
+
+
 class ZeroOptimizer:
     """Runs ``optimizer_cls`` on a ZeroModel's fp32 shards and puts the results back.
 
@@ -256,6 +270,41 @@ class ZeroOptimizer:
             for u in self.model.units:
                 u.refresh()
         return True
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The optimizer state per parameter name, unsharded (collective): loadable under any dp."""
+        per_name: dict[str, dict[str, Any]] = {}
+        for u in self.model.units:
+            st = self.optimizer.state.get(u.master, {})
+            for key, val in sorted(st.items()):
+                if torch.is_tensor(val) and val.shape == u.master.shape:
+                    flat = torch.empty(u.padded, dtype=val.dtype)
+                    comm.all_gather_into_tensor(flat, val.contiguous(), group=self.model.group)
+                    for name, off, shape in zip(u.names, u.offsets, u.shapes):
+                        per_name.setdefault(name, {})[key] = flat[off : off + shape.numel()].view(shape).clone()
+                else:  # scalars such as Adam's step count: equal on every shard
+                    for name in u.names:
+                        per_name.setdefault(name, {})[key] = val.clone() if torch.is_tensor(val) else val
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"state": per_name, "param_groups": groups}
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``full_state_dict`` returned, whatever dp size saved it (reshards)."""
+        per_name = state["state"]
+        for u in self.model.units:
+            keys = {k for n in u.names for k in per_name.get(n, {})}
+            if not keys:
+                continue
+            new: dict[str, Any] = {}
+            for key in sorted(keys):
+                sample = per_name[u.names[0]][key]
+                if torch.is_tensor(sample) and sample.shape == u.shapes[0]:
+                    new[key] = u.shard_of({n: per_name[n][key] for n in u.names}, sample.dtype)
+                else:
+                    new[key] = sample.clone() if torch.is_tensor(sample) else sample
+            self.optimizer.state[u.master] = new
+        for g, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            g.update(saved)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, with the map from shards to parameter names."""

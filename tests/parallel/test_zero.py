@@ -133,3 +133,50 @@ def test_zero3_prefetches_the_next_unit_in_forward_and_backward():
         assert [i for _, i in log[n - 1:]] == list(range(n - 2, -1, -1))  # backward: i prefetches i-1
         assert not any(gathered)  # everything freed again after backward
     assert FlatUnit  # the class the spy wraps
+
+
+def _resume(rank, world, stage, saved, first_steps):
+    """Continue training from ``saved`` (model + optimizer, full) for the remaining steps."""
+    model = make_model(seed=7)  # wrong on purpose: the load must overwrite it
+    zm = ZeroModel(model, stage=stage)
+    zo = ZeroOptimizer(zm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    if saved is not None:
+        zm.load_full_state_dict(saved[0])
+        zo.load_full_state_dict(saved[1])
+    for i, (x, y) in enumerate(batches(STEPS, BATCH)):
+        if (i < first_steps) == (saved is not None):
+            continue
+        zo.zero_grad()
+        loss_fn(zm, shard(x, rank, world), shard(y, rank, world)).backward()
+        zo.step()
+    return zm.full_state_dict(), zo.full_state_dict()
+
+
+def test_full_state_dicts_reshard_from_dp4_stage2_to_dp2_stage3():
+    want = reference(STEPS, BATCH, seed=100)
+
+    def first(rank):  # 2 steps on dp=4, ZeRO-2; the reload skips them
+        model = make_model(seed=100)
+        zm = ZeroModel(model, stage=2)
+        zo = ZeroOptimizer(zm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        for x, y in batches(STEPS, BATCH)[:2]:
+            zo.zero_grad()
+            loss_fn(zm, shard(x, rank, 4), shard(y, rank, 4)).backward()
+            zo.step()
+        return zm.full_state_dict(), zo.full_state_dict()
+
+    saved = comm.run_local(4, first, timeout=60)[0]
+    assert saved[1]["state"]["inp.weight"]["exp_avg"].shape == (37, 11)
+    for got, _ in comm.run_local(2, _resume, 2, 3, saved, 2, timeout=60):
+        assert_close_state(got, want)
+
+
+def test_loading_a_different_shape_is_an_error():
+    def fn(rank):
+        zm = ZeroModel(make_model(), stage=1)
+        sd = zm.full_state_dict()
+        sd["inp.weight"] = torch.zeros(3, 3)
+        zm.load_full_state_dict(sd)
+
+    with pytest.raises(ValueError, match=r"inp.weight: saved shape \(3, 3\)"):
+        comm.run_local(1, fn, timeout=10)
