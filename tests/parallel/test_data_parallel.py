@@ -127,3 +127,11 @@ def test_buffers_are_broadcast_from_rank_0():
     out = comm.run_local(3, fn, timeout=30)
     assert [o[0] for o in out] == [5.0, 5.0, 5.0]
     assert len({o[1] for o in out}) == 1
+
+
+def test_bad_bucket_cap_is_named():
+    def fn(rank):
+        DataParallel(make_model(), bucket_cap_mb=0)
+
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        comm.run_local(1, fn, timeout=10)
