@@ -34,9 +34,10 @@ class GradBucket:
 
 
 def build_buckets(named_params: list[tuple[str, torch.nn.Parameter]], cap_bytes: int,
-                  dtype: torch.dtype | None = None) -> list[GradBucket]:
+                  dtype: torch.dtype | None = None, first_cap_bytes: int | None = None) -> list[GradBucket]:
     """Fill buckets of at most ``cap_bytes`` (a parameter larger than the cap gets its own) in the
-    given order, a new bucket whenever the dtype changes; buffers are zeroed.
+    given order, a new bucket whenever the dtype changes; buffers are zeroed. The first bucket
+    may have its own, smaller cap (DDP: 1 MB), so the first reduction starts early in backward.
 
     DDP's order is the reverse of registration, the order in which backward produces gradients,
     so the first bucket fills first and its reduction overlaps the rest of backward.
@@ -60,7 +61,8 @@ def build_buckets(named_params: list[tuple[str, torch.nn.Parameter]], cap_bytes:
 
     for name, p in named_params:
         nbytes = p.numel() * p.element_size()
-        if cur and (p.dtype != cur[0][1].dtype or p.device != cur[0][1].device or cur_bytes + nbytes > cap_bytes):
+        cap = first_cap_bytes if (first_cap_bytes is not None and not buckets) else cap_bytes
+        if cur and (p.dtype != cur[0][1].dtype or p.device != cur[0][1].device or cur_bytes + nbytes > cap):
             flush()
         cur.append((name, p))
         cur_bytes += nbytes

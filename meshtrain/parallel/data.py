@@ -67,7 +67,8 @@ class DataParallel(nn.Module):
 
     * Parameters and buffers are broadcast from the group's first rank when wrapped; buffers again
       before every forward if ``broadcast_buffers`` (batch-norm statistics stay identical).
-    * Gradients live in flat buckets of about ``bucket_cap_mb`` in reverse registration order:
+    * Gradients live in flat buckets of about ``bucket_cap_mb`` (the first: ``first_bucket_mb``,
+      so the first reduction starts early) in reverse registration order:
       every ``.grad`` is a view into its bucket, so no flatten/unflatten copies are made. A
       bucket's reduction starts on a background thread the moment its last gradient has been
       accumulated (post-accumulate-grad hooks), while backward goes on; buckets are launched in
@@ -83,7 +84,7 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: Group | None = None, *, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 first_bucket_mb: float = 1.0, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  comm_hook: CommHook | None = None) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -95,7 +96,8 @@ class DataParallel(nn.Module):
         self.comm_hook: CommHook = comm_hook or allreduce_hook
         broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets = build_buckets(list(reversed(named)), int(bucket_cap_mb * (1 << 20)))
+        self.buckets = build_buckets(list(reversed(named)), int(bucket_cap_mb * (1 << 20)),
+                                     first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)))
         self._where: dict[int, tuple[GradBucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
