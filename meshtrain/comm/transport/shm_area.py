@@ -27,7 +27,7 @@ from .base import PeerTimeout
 if TYPE_CHECKING:
     from .shm import ShmTransport
 
-STEP, GEN, OPENED, EXCH = 0, 8, 16, 24  # int64 indices, a cache line apart
+STEP, GEN, OPENED, EXCH, WAITING = 0, 8, 16, 24, 32  # int64 indices, a cache line apart
 BOARD_AT, BOARD_BYTES = 4096, 8192  # two halves after the counters: the exchange board
 CTRL_BYTES = BOARD_AT + 2 * BOARD_BYTES
 
@@ -45,7 +45,8 @@ class ShmArea:
         self._data: list[mem.Segment | None] = [None] * len(ranks)
         self._views: dict[tuple, torch.Tensor] = {}
         self._ctrl_segs = self._map_all("c", CTRL_BYTES, deadline, None)
-        self.ctrl = [s.i64(0, EXCH + 1) for s in self._ctrl_segs]
+        self.ctrl = [s.i64(0, WAITING + 1) for s in self._ctrl_segs]
+        self._addr = [c.ctypes.data for c in self.ctrl]
         self.exchanges = 0
         self._all_opened(1, deadline)
 
@@ -58,7 +59,7 @@ class ShmArea:
         own = mem.Segment.create(self._name(self.me, suffix), size)
         self._pending = own
         if gen is not None:
-            self.ctrl[self.me][GEN] = gen
+            self.publish(GEN, gen)
         segs: list[mem.Segment] = []
         for k in range(len(self.ranks)):
             if k == self.me:
@@ -84,7 +85,7 @@ class ShmArea:
     def _all_opened(self, value: int, deadline: float) -> None:
         """Announce that I mapped everything, wait for all, then unlink my new name."""
         try:
-            self.ctrl[self.me][OPENED] = value
+            self.publish(OPENED, value)
             self.wait_all(value, deadline, "mapping the shared buffers", index=OPENED)
         finally:
             self._pending.unlink()
@@ -123,7 +124,19 @@ class ShmArea:
 
     def announce(self, step: int) -> None:
         """Tell the peers I have reached ``step``."""
-        self.ctrl[self.me][STEP] = step
+        self.publish(STEP, step)
+
+    def publish(self, index: int, value: int) -> None:
+        """Set my counter ``index`` and wake the peers asleep on it. The fence makes the store
+        visible before the WAITING flags are read; a sleeper sets its flag before its last look at
+        the counter, so one of the two sees the other (a lost race costs one futex timeout)."""
+        mine = self.ctrl[self.me]
+        mine[index] = value
+        mem.fence()
+        for k in self.others:
+            if self.ctrl[k][WAITING]:
+                mem.futex_wake(self._addr[self.me] + 8 * index)
+                return
 
     def wait(self, k: int, index: int, target: int, deadline: float, what: str) -> None:
         """Wait until member ``k``'s counter ``index`` reaches ``target``."""
@@ -159,7 +172,21 @@ class ShmArea:
             self.t.poll()  # queued point-to-point sends of this rank keep moving
             self.t._check_alive(behind(), f"step {target} of a shm collective")
 
-        mem.block(done, deadline, expire, check)
+        mine = self.ctrl[self.me]
+
+        def sleep_on() -> tuple[int, int]:
+            mine[WAITING] = 1
+            mem.fence()
+            for k in members:
+                v = int(self.ctrl[k][index])
+                if v < target:
+                    return self._addr[k] + 8 * index, v
+            return 0, 0  # arrived meanwhile: look again instead of sleeping
+
+        try:
+            mem.block(done, deadline, expire, check, sleep_on)
+        finally:
+            mine[WAITING] = 0
 
     def exchange(self, key: str, payload: str, deadline: float) -> list[str]:
         """All-gather short strings through the board: one write, one wait, p-1 reads. Each entry
@@ -178,7 +205,7 @@ class ShmArea:
         big = [] if fits else exchange_by_messages(self.t, key, [self.ranks[k] for k in self.others], data)
         own[at : at + 8 + (len(data) if fits else 0)] = struct.pack("<q", len(data) if fits else -1) + (
             data if fits else b"")
-        self.ctrl[self.me][EXCH] = e
+        self.publish(EXCH, e)
         self.wait_all(e, deadline, "the exchange", index=EXCH)
         out = []
         for k, seg in enumerate(self._ctrl_segs):

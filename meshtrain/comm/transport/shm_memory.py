@@ -9,8 +9,11 @@ whoever finds a name whose owner is dead (a survivor, or the next start) can rem
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import sys
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -21,12 +24,13 @@ SHM_DIR = os.environ.get("MESHTRAIN_SHM_DIR", "/dev/shm")
 PREFIX = "meshtrain."
 
 # Waiting policy, measured on 2 cores with 2 and 4 ranks (docs/benchmarks.md, "Waiting"):
-# spin for SPIN_S (a peer on another core answers within microseconds), then sched_yield until
-# YIELD_S (hands the core to a runnable peer when ranks outnumber cores), then sleep with a
-# growing period so an idle wait costs (almost) no CPU.
+# spin for up to SPIN_S (a peer on another core answers within microseconds; adaptive, and off
+# when ranks outnumber cores), then sched_yield until YIELD_S (hands the core to a runnable
+# peer), then sleep in the kernel on the awaited counter (a futex its owner wakes), so a long
+# wait costs no CPU. Without futexes (not Linux) the sleeps are timed, growing to MAX_SLEEP_S.
 SPIN_S = float(os.environ.get("MESHTRAIN_SHM_SPIN_US", "50")) * 1e-6
 _spin = [SPIN_S, SPIN_S]  # [current, cap]: halves after a wait spinning did not satisfy, doubles after a quick one
-YIELD_S = float(os.environ.get("MESHTRAIN_SHM_YIELD_US", "2000")) * 1e-6
+YIELD_S = float(os.environ.get("MESHTRAIN_SHM_YIELD_US", "200")) * 1e-6
 MAX_SLEEP_S = 1e-3
 LIVENESS_PERIOD_S = 0.05
 
@@ -153,10 +157,12 @@ def remove_stale_segments() -> list[str]:
 
 
 def block(done: Callable[[], bool], deadline: float | None, on_timeout: Callable[[], None],
-          check_peers: Callable[[], None]) -> None:
+          check_peers: Callable[[], None], sleep_on: Callable[[], tuple[int, int] | None] | None = None) -> None:
     """Wait until ``done()``: spin, then yield, then sleep (see SPIN_S). ``on_timeout`` raises once
     ``deadline`` (time.monotonic) passes; ``check_peers`` runs every LIVENESS_PERIOD_S while asleep
-    and raises if a peer died, so a dead peer is reported long before the deadline."""
+    and raises if a peer died, so a dead peer is reported long before the deadline. ``sleep_on``
+    gives (address, expected low 32 bits) of a counter to sleep on in the kernel (a futex) until
+    its owner bumps it and wakes us (``futex_wake``); without it the sleeps are timed."""
     t0 = time.monotonic()
     next_check = t0 + LIVENESS_PERIOD_S
     spin = _spin[0]
@@ -174,11 +180,60 @@ def block(done: Callable[[], bool], deadline: float | None, on_timeout: Callable
         if now >= next_check:
             check_peers()
             next_check = now + LIVENESS_PERIOD_S
-        time.sleep(min(MAX_SLEEP_S, spent / 16))
+        target = sleep_on() if sleep_on is not None and _futex is not None else None
+        if target is None:
+            time.sleep(min(MAX_SLEEP_S, spent / 16))
+        elif target[0]:  # the timeout bounds a wake-up lost to a race (see ShmArea.publish)
+            futex_wait(target[0], target[1], LIVENESS_PERIOD_S / 5)
     # Spinning pays only while the peer runs on another core; when ranks share cores (or another
     # job holds one) the peer cannot progress while we spin, so spin less after each miss.
     spent = time.monotonic() - t0
     _spin[0] = min(_spin[1], max(spin * 2, 1e-6)) if spent < max(spin, 20e-6) else spin / 2
+
+
+def _load_futex() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux") or os.environ.get("MESHTRAIN_SHM_FUTEX", "1") == "0":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+        fn.restype = ctypes.c_long
+        fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_futex = _load_futex()
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine, 202)
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not the _PRIVATE variants: the words live in shared mappings
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(addr: int, expected: int, timeout: float) -> None:
+    """Sleep while the 32-bit word at ``addr`` equals ``expected`` (at most ``timeout`` s)."""
+    ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
+    _futex(_SYS_FUTEX, addr, FUTEX_WAIT, ctypes.c_int32(expected & 0xFFFFFFFF).value, ctypes.byref(ts), None, 0)
+
+
+def futex_wake(addr: int) -> None:
+    """Wake every process sleeping in ``futex_wait`` on ``addr``."""
+    if _futex is not None:
+        _futex(_SYS_FUTEX, addr, FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier (a locked instruction): orders a store before a later load, which
+    x86 otherwise may reorder. Used between 'publish my counter' and 'is anyone asleep?'."""
+    with _fence_lock:
+        pass
 
 
 def oversubscribed(ranks_here: int) -> None:
