@@ -140,9 +140,10 @@ def all_gather(ctx: Ctx, buf: torch.Tensor) -> None:
         area.announce(2 * c + 2)
 
 
-def broadcast(ctx: Ctx, buf: torch.Tensor, root: int) -> None:
-    """The root publishes each chunk once; every other rank copies it out."""
-    p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
+def _rooted(ctx: Ctx, buf: torch.Tensor, publish: bool, read_from: list[int], consume) -> None:
+    """The one-to-all and all-to-one shape: per chunk, publish ``buf``'s chunk if ``publish``,
+    then wait for the members ``read_from`` and ``consume(chunk, area, half)``."""
+    p, n, es = ctx.size, buf.numel(), buf.element_size()
     if p == 1 or n == 0:
         return
     per = _per_chunk(es)
@@ -150,36 +151,33 @@ def broadcast(ctx: Ctx, buf: torch.Tensor, root: int) -> None:
     for s in range(0, n, per):
         x = buf[s : s + per]
         c, half = area.begin(ctx.deadline)
-        if r == root:
-            area.view(r, half, 0, x.numel(), buf.dtype).copy_(x)
-            area.announce(2 * c + 1)
-        else:
-            area.announce(2 * c + 1)
-            area.wait(root, 0, 2 * c + 1, ctx.deadline, "the root's data")
-            x.copy_(area.view(root, half, 0, x.numel(), buf.dtype))
+        if publish:
+            area.view(ctx.rank, half, 0, x.numel(), buf.dtype).copy_(x)
+        area.announce(2 * c + 1)
+        for k in read_from:
+            area.wait(k, 0, 2 * c + 1, ctx.deadline, "published data")
+        if read_from:
+            consume(x, area, half)
         area.announce(2 * c + 2)
+
+
+def broadcast(ctx: Ctx, buf: torch.Tensor, root: int) -> None:
+    """The root publishes each chunk once; every other rank copies it out."""
+    def copy_out(x: torch.Tensor, area, half: int) -> None:
+        x.copy_(area.view(root, half, 0, x.numel(), x.dtype))
+
+    _rooted(ctx, buf, ctx.rank == root, [] if ctx.rank == root else [root], copy_out)
 
 
 def reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, root: int) -> None:
     """Everyone publishes; the root reduces every peer's buffer into its own tensor."""
-    p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
-    if p == 1 or n == 0:
-        return
-    per = _per_chunk(es)
-    area = _area(ctx, min(n, per) * es)
-    for s in range(0, n, per):
-        x = buf[s : s + per]
-        c, half = area.begin(ctx.deadline)
-        if r != root:
-            area.view(r, half, 0, x.numel(), buf.dtype).copy_(x)
-            area.announce(2 * c + 1)
-        else:
-            area.announce(2 * c + 1)
-            area.wait_all(2 * c + 1, ctx.deadline, "inputs")
-            for k in range(p):
-                if k != root:
-                    combine_(x, area.view(k, half, 0, x.numel(), buf.dtype), op)
-        area.announce(2 * c + 2)
+    others = [k for k in range(ctx.size) if k != root]
+
+    def reduce_in(x: torch.Tensor, area, half: int) -> None:
+        for k in others:
+            combine_(x, area.view(k, half, 0, x.numel(), x.dtype), op)
+
+    _rooted(ctx, buf, ctx.rank != root, others if ctx.rank == root else [], reduce_in)
 
 
 ALGORITHMS = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,

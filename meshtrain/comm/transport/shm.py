@@ -38,6 +38,7 @@ from ...errors import CollectiveError, CollectiveMismatch
 from ..work import Work
 from . import shm_memory as mem
 from .base import PeerTimeout, Transport
+from .torchdist import host_identity
 
 SLOT_BYTES = int(os.environ.get("MESHTRAIN_SHM_SLOT_BYTES", str(512 << 10)))
 SLOTS = 4
@@ -130,7 +131,7 @@ class ShmTransport(Transport):
         mem.remove_stale_segments()
         _instances[0] += 1
         round_no = _instances[0]
-        host = host or _host_id()
+        host = host or host_identity()
         info = _store_all_gather(store, f"shm/{round_no}/info", rank, world_size,
                                  json.dumps({"host": host, "pid": os.getpid()}), timeout)
         hosts = [json.loads(v)["host"] for v in info]
@@ -419,23 +420,6 @@ def exchange_by_messages(t: ShmTransport, key: str, peers: Sequence[int], data: 
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
-
-
-def _host_id() -> str:
-    """hostname + boot id: equal on two ranks iff they can share /dev/shm. MESHTRAIN_HOST_ID
-    overrides it (tests simulate several hosts on one machine with it)."""
-    override = os.environ.get("MESHTRAIN_HOST_ID")
-    if override:
-        return override
-    import socket
-
-    boot = ""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        pass
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _store_all_gather(store: Any, key: str, rank: int, world_size: int, value: str, timeout: float,

@@ -108,13 +108,22 @@ class TorchTransport(Transport):
             ) from None
 
     def host_id(self) -> str:
-        boot = ""
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = f.read().strip()
-        except OSError:
-            pass
-        return f"{socket.gethostname()}/{boot}"
+        return host_identity()
+
+
+def host_identity() -> str:
+    """hostname + boot id: equal on two processes iff they run on one host (and can share
+    /dev/shm). ``MESHTRAIN_HOST_ID`` overrides it, to simulate several hosts on one machine."""
+    override = os.environ.get("MESHTRAIN_HOST_ID")
+    if override:
+        return override
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
 
 
 def init_torch_distributed(backend: str | None, timeout: float) -> tuple[dist.Store, None]:
