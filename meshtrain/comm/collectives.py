@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from . import runner, select
-from .algorithms import algorithms_for, lookup, native
+from .algorithms import algorithms_for, lookup, native, shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group, current
 from .types import ReduceOp, check_dtype, parse_op, work_dtype
@@ -144,6 +144,9 @@ def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.
         if algo == "native":
             native.all_gather(g.torch_group, g.ranks, outs, inp.contiguous())
             return outs
+        if algo == "shm":  # straight from the input into the outputs, no staging buffer
+            shm_direct.all_gather_lists(ctx, inp, outs)
+            return outs
         n = inp.numel()
         buf = ctx.scratch("all_gather_out", n * g.size, inp.dtype)
         buf[ctx.rank * n : (ctx.rank + 1) * n].copy_(inp.reshape(-1))
@@ -211,6 +214,9 @@ def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins
             _finish_avg(tmp_out, rop, g.size)
             if tmp_out is not out:
                 out.copy_(tmp_out)
+            return out
+        if algo == "shm" and wd == out.dtype and shm_direct.reduce_scatter_lists(ctx, ins, out, rop):
+            _finish_avg(out, rop, g.size)  # straight from the inputs, no staging buffer
             return out
         buf = ctx.scratch("rs_in", n * g.size, wd)
         for i, t in enumerate(ins):

@@ -158,6 +158,13 @@ def _groups_async_p2p(rank: int) -> dict:
         mc.recv(ra, peer, tag=3)
         w1.wait(), w2.wait()
         out["p2p"] = (ra[0].item(), rb[1].item(), bool(torch.equal(rb, torch.arange(50_000.0, dtype=torch.float64) * peer)))
+    strided = [torch.empty(3, 2).t() for _ in range(4)]  # outputs that are not contiguous
+    mc.all_gather(strided, torch.full((2, 3), float(rank)), algorithm="shm")
+    out["strided"] = [x[0, 0].item() for x in strided]
+    half = torch.empty(3, dtype=torch.bfloat16)  # summed in fp32: the staging path
+    mc.reduce_scatter(half, [torch.full((3,), float(rank + j), dtype=torch.bfloat16) for j in range(4)],
+                      algorithm="shm")
+    out["rs_bf16"] = half[0].item()
     ts = [torch.ones(2) * rank, torch.ones(3)]
     mc.all_reduce_coalesced(ts, algorithm="shm")
     out["coalesced"] = (ts[0][0].item(), ts[1][0].item())
@@ -172,3 +179,5 @@ def test_groups_async_p2p_coalesced_over_shm(monkeypatch):
     assert res[0]["gathered"] == res[2]["gathered"] == [2.0, 0.0]  # group order, not rank order
     assert res[1]["p2p"] == (3.0, 3.0, True) and res[3]["p2p"] == (1.0, 1.0, True)
     assert all(r["coalesced"] == (6.0, 4.0) for r in res)
+    assert all(r["strided"] == [0.0, 1.0, 2.0, 3.0] for r in res)
+    assert [r["rs_bf16"] for r in res] == [float(sum(q + j for q in range(4))) for j in range(4)]

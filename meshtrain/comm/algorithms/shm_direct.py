@@ -100,10 +100,10 @@ def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
             x[b[k] : b[k + 1]].copy_(shared(k, k))
 
 
-def reduce_scatter(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
-    """``buf`` holds p blocks; block r ends up reduced. Peers' blocks for r are read in place."""
-    p, r, es = ctx.size, ctx.rank, buf.element_size()
-    nb = buf.numel() // p
+def _scatter_reduce(ctx: Ctx, srcs: list[torch.Tensor], dst: torch.Tensor, op: ReduceOp) -> None:
+    """``dst`` <- the reduction over ranks of their ``srcs[r]`` (flat, equal sizes): publish the
+    blocks peers need, reduce mine straight out of their buffers (``dst`` may be ``srcs[r]``)."""
+    p, r, nb, es, dt = ctx.size, ctx.rank, dst.numel(), dst.element_size(), dst.dtype
     if p == 1 or nb == 0:
         return
     per = _per_chunk(es, p)
@@ -113,19 +113,38 @@ def reduce_scatter(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
         c, half = area.begin(ctx.deadline)
         for i in range(p):
             if i != r:
-                area.view(r, half, i * m * es, m, buf.dtype).copy_(buf[i * nb + s : i * nb + s + m])
+                area.view(r, half, i * m * es, m, dt).copy_(srcs[i][s : s + m])
         area.announce(2 * c + 1)
         area.wait_all(2 * c + 1, ctx.deadline, "inputs")
-        mine = buf[r * nb + s : r * nb + s + m]
+        mine = dst[s : s + m]
+        if mine.data_ptr() != srcs[r][s : s + m].data_ptr():
+            mine.copy_(srcs[r][s : s + m])
         for d in range(1, p):
-            combine_(mine, area.view((r + d) % p, half, r * m * es, m, buf.dtype), op)
+            combine_(mine, area.view((r + d) % p, half, r * m * es, m, dt), op)
         area.announce(2 * c + 2)
 
 
-def all_gather(ctx: Ctx, buf: torch.Tensor) -> None:
-    """``buf`` holds p blocks, own in place: publish mine, copy every peer's out of its buffer."""
-    p, r, es = ctx.size, ctx.rank, buf.element_size()
-    nb = buf.numel() // p
+def reduce_scatter(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
+    """``buf`` holds p blocks; block r ends up reduced. Peers' blocks for r are read in place."""
+    nb = buf.numel() // ctx.size
+    blocks = [buf[k * nb : (k + 1) * nb] for k in range(ctx.size)]
+    _scatter_reduce(ctx, blocks, blocks[ctx.rank], op)
+
+
+def reduce_scatter_lists(ctx: Ctx, ins: list[torch.Tensor], out: torch.Tensor, op: ReduceOp) -> bool:
+    """The same from the caller's tensors, without the staging buffer of the generic front end.
+    Returns False, doing nothing, when a dtype conversion or a strided tensor needs that path."""
+    if not out.is_contiguous() or any(t.dtype != out.dtype or not t.is_contiguous() for t in ins):
+        return False
+    _scatter_reduce(ctx, [t.reshape(-1) for t in ins], out.view(-1), op)
+    if ctx.size == 1:
+        out.view(-1).copy_(ins[0].reshape(-1))
+    return True
+
+
+def _gather_blocks(ctx: Ctx, src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
+    """Publish flat ``src`` chunk by chunk; copy every peer k's chunk into flat ``dsts[k]``."""
+    p, r, nb, es = ctx.size, ctx.rank, src.numel(), src.element_size()
     if p == 1 or nb == 0:
         return
     per = _per_chunk(es)
@@ -133,13 +152,37 @@ def all_gather(ctx: Ctx, buf: torch.Tensor) -> None:
     for s in range(0, nb, per):
         m = min(per, nb - s)
         c, half = area.begin(ctx.deadline)
-        area.view(r, half, 0, m, buf.dtype).copy_(buf[r * nb + s : r * nb + s + m])
+        area.view(r, half, 0, m, src.dtype).copy_(src[s : s + m])
         area.announce(2 * c + 1)
         area.wait_all(2 * c + 1, ctx.deadline, "blocks")
         for d in range(1, p):
             k = (r + d) % p
-            buf[k * nb + s : k * nb + s + m].copy_(area.view(k, half, 0, m, buf.dtype))
+            dsts[k][s : s + m].copy_(area.view(k, half, 0, m, src.dtype))
         area.announce(2 * c + 2)
+
+
+def all_gather(ctx: Ctx, buf: torch.Tensor) -> None:
+    """``buf`` holds p blocks, own in place: publish mine, copy every peer's out of its buffer."""
+    nb = buf.numel() // ctx.size
+    blocks = [buf[k * nb : (k + 1) * nb] for k in range(ctx.size)]
+    _gather_blocks(ctx, blocks[ctx.rank], blocks)
+
+
+def all_gather_lists(ctx: Ctx, inp: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """The same from the caller's tensors: ``outs[i]`` receives rank i's ``inp`` without the
+    staging buffer the generic front end copies through (two full passes fewer)."""
+    src = inp.reshape(-1)
+    if all(o.is_contiguous() for o in outs):
+        flat = [o.view(-1) for o in outs]
+        _gather_blocks(ctx, src, flat)
+        flat[ctx.rank].copy_(src)
+        return
+    n = src.numel()  # some output is strided: gather into a staging buffer, then copy
+    buf = ctx.scratch("all_gather_out", n * ctx.size, src.dtype)
+    buf[ctx.rank * n : (ctx.rank + 1) * n].copy_(src)
+    all_gather(ctx, buf)
+    for i, o in enumerate(outs):
+        o.copy_(buf[i * n : (i + 1) * n].view(o.shape))
 
 
 def _rooted(ctx: Ctx, buf: torch.Tensor, publish: bool, read_from: list[int], consume) -> None:
