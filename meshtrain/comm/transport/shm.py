@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import threading
+import time
 import zlib
 from collections import defaultdict, deque
 from typing import Any, Sequence
@@ -153,8 +154,6 @@ class ShmTransport(Transport):
         return f"{mem.PREFIX}{self.pids[rank]}.{self.round}.r{rank}.p2p"
 
     def _map_peers(self, timeout: float) -> None:
-        import time
-
         mine = mem.Segment.create(self._seg_name(self.rank), self._seg_size)
         try:
             deadline = time.monotonic() + timeout
@@ -179,11 +178,13 @@ class ShmTransport(Transport):
 
     # -- point to point ----------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        """Queue ``tensor`` for ``dst`` and copy out as much as the outbox takes now (eager)."""
         if dst not in self._local_set:
             return self._remote_or_fail(dst).isend(tensor, dst, tag)
         return self._post_send(_u8(tensor), dst, tag, tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        """Post a receive; it completes during any later wait on this transport."""
         if src not in self._local_set:
             return self._remote_or_fail(src).irecv(tensor, src, tag)
         return self._post_recv(_u8(tensor), src, tag, tensor)
@@ -312,8 +313,6 @@ class ShmTransport(Transport):
                 self._lock.release()
 
     def _wait(self, work: _ShmWork, timeout: float | None) -> bool:
-        import time
-
         def done() -> bool:
             with self._lock:
                 if not self._closed:
@@ -354,8 +353,6 @@ class ShmTransport(Transport):
                 key, ranks, payload, timeout)
         if len(ranks) == 1:
             return [payload]
-        import time
-
         family = key.split("/")[1] if "/" in key else key
         deadline = time.monotonic() + timeout
         try:
@@ -369,8 +366,6 @@ class ShmTransport(Transport):
 
     def recv_exchange(self, key: str, src: int, deadline: float) -> bytes:
         """Receive an exchange payload too large for the board (see ``exchange_by_messages``)."""
-        import time
-
         w = self._post_recv(None, src, _exchange_tag(key), None)
         w.wait(max(deadline - time.monotonic(), 1e-3))
         return w._result
@@ -394,9 +389,11 @@ class ShmTransport(Transport):
         return a
 
     def host_id(self) -> str:
+        """hostname + boot id, as published at the rendezvous."""
         return self.hosts[self.rank]
 
     def close(self) -> None:
+        """Drop every mapping (names were unlinked at creation) and close the remote transport."""
         with self._lock:
             if self._closed:
                 return
