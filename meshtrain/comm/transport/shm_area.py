@@ -170,7 +170,7 @@ class ShmArea:
 
         def check() -> None:
             self.t.poll()  # queued point-to-point sends of this rank keep moving
-            self.t._check_alive(behind(), f"step {target} of a shm collective")
+            self.t._check_alive(behind(), f"{what} (step {target} of group {self.ranks})")
 
         mine = self.ctrl[self.me]
 
@@ -196,7 +196,7 @@ class ShmArea:
 
         e = self.exchanges = self.exchanges + 1
         if e >= 3:  # my half e % 2 was last read in exchange e - 2, by peers now past e - 1
-            self.wait_all(e - 1, deadline, "the previous exchange", index=EXCH)
+            self.wait_all(e - 1, deadline, f"the exchange before {key!r}", index=EXCH)
         kb = key.encode()
         data = struct.pack("<q", len(kb)) + kb + payload.encode()
         at = BOARD_AT + (e % 2) * BOARD_BYTES
@@ -206,7 +206,7 @@ class ShmArea:
         own[at : at + 8 + (len(data) if fits else 0)] = struct.pack("<q", len(data) if fits else -1) + (
             data if fits else b"")
         self.publish(EXCH, e)
-        self.wait_all(e, deadline, "the exchange", index=EXCH)
+        self.wait_all(e, deadline, f"the exchange {key!r} (metadata check or barrier)", index=EXCH)
         out = []
         for k, seg in enumerate(self._ctrl_segs):
             if k == self.me:
