@@ -53,7 +53,10 @@ class CostModel:
                 "halving_doubling": 2 * math.log2(pp) * a + 2 * f * n * b + f * n * g + fold,
                 "recursive_doubling": math.log2(pp) * (a + n * b + n * g) + fold,
                 "tree": 2 * lg * (a + n * b) + lg * n * g,
-                "direct": (p - 1) * (a + n * b + n * g),
+                # whole, unsegmented messages: posting a large send copies it into the socket
+                # before the receives progress, so sending and receiving do not overlap (measured:
+                # 0.5x ring at 16 MB, p=2, where the plain formula predicted a tie)
+                "direct": (p - 1) * (a + 2 * n * b + n * g),
                 "hierarchical": (2 * math.ceil(math.log2(max(p // max(nodes, 1), 1)) or 0) * (a + n * b)
                                  + 2 * (nodes - 1) * a + 2 * n * b + n * g) if nodes > 1 else math.inf,
             }[algorithm]
