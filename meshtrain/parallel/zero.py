@@ -26,6 +26,8 @@ from .. import comm
 from ..comm import Group, Work
 from .flat_unit import FlatUnit
 from .precision import MixedPrecision
+from .zero_state import (check_shapes, load_optimizer_shards, model_shard_state, optimizer_shard_state,
+                         shard_from_pieces)
 
 
 class ZeroModel(nn.Module):
@@ -218,6 +220,25 @@ class ZeroModel(nn.Module):
                 b.copy_(state[name].to(b.dtype))
 
 
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces of the fp32 parameters plus the buffers: save one per rank."""
+        return model_shard_state(self.units, dict(self.module.named_buffers()))
+
+    def load_shard_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Load shard states of every saving rank (any dp size), or this rank's own."""
+        shards = state if isinstance(state, list) else [state]
+        check_shapes(self.units, shards[0]["shapes"])
+        for u in self.units:
+            shard = shard_from_pieces(u, [sh["params"] for sh in shards], torch.float32, "parameter")
+            with torch.no_grad():
+                u.master.copy_(shard)
+            if u.gathered:
+                u.refresh()
+        for name, b in self.module.named_buffers():
+            with torch.no_grad():
+                b.copy_(shards[0]["buffers"][name].to(b.dtype))
+
+
 class ZeroOptimizer:
     """Runs ``optimizer_cls`` on a ZeroModel's fp32 shards and puts the results back.
 
@@ -307,20 +328,14 @@ class ZeroOptimizer:
             g.update(saved)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state, with the map from shards to parameter names."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "shards": [u.param_name_slices() for u in self.model.units],
-                "group_size": self.model.group.size}
+        """This rank's shard of the optimizer state, as pieces of named parameters: save one per
+        rank; ``load_state_dict`` reads the set back under any dp size."""
+        return optimizer_shard_state(self.model.units, self.optimizer)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state saved by ``state_dict`` with the same group size and model."""
-        if state.get("group_size") != self.model.group.size:
-            raise ValueError(
-                f"optimizer state was saved with dp={state.get('group_size')}, this run has "
-                f"dp={self.model.group.size}; load it through a resharding checkpoint instead"
-            )
-        self.optimizer.load_state_dict(state["optimizer"])
-
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Load shard states saved by ``state_dict`` on every rank of any dp size (a list), or this
+        rank's own (same dp size)."""
+        load_optimizer_shards(self.model.units, self.optimizer, state if isinstance(state, list) else [state])
 
 def _tensors(out: Any) -> list[torch.Tensor]:
     if torch.is_tensor(out):

@@ -180,3 +180,48 @@ def test_loading_a_different_shape_is_an_error():
 
     with pytest.raises(ValueError, match=r"inp.weight: saved shape \(3, 3\)"):
         comm.run_local(1, fn, timeout=10)
+
+
+def _first_two_steps_sharded(rank, world, stage):
+    model = make_model(seed=100)
+    zm = ZeroModel(model, stage=stage)
+    zo = ZeroOptimizer(zm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    for x, y in batches(STEPS, BATCH)[:2]:
+        zo.zero_grad()
+        loss_fn(zm, shard(x, rank, world), shard(y, rank, world)).backward()
+        zo.step()
+    return zm.shard_state_dict(), zo.state_dict()
+
+
+def _resume_sharded(rank, world, stage, model_shards, opt_shards):
+    zm = ZeroModel(make_model(seed=7), stage=stage)
+    zo = ZeroOptimizer(zm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    zm.load_shard_state_dict(model_shards if len(model_shards) > 1 else model_shards[0])
+    zo.load_state_dict(opt_shards if len(opt_shards) > 1 else opt_shards[0])
+    for x, y in batches(STEPS, BATCH)[2:]:
+        zo.zero_grad()
+        loss_fn(zm, shard(x, rank, world), shard(y, rank, world)).backward()
+        zo.step()
+    return zm.full_state_dict()
+
+
+@pytest.mark.parametrize("saved_world,saved_stage,world,stage", [(4, 2, 3, 3), (2, 3, 4, 1), (1, 1, 2, 2)])
+def test_per_rank_shards_reload_into_another_dp_size(saved_world, saved_stage, world, stage):
+    want = reference(STEPS, BATCH, seed=100)
+    saved = comm.run_local(saved_world, _first_two_steps_sharded, saved_world, saved_stage, timeout=60)
+    ms, os_ = [s[0] for s in saved], [s[1] for s in saved]
+    for got in comm.run_local(world, _resume_sharded, world, stage, ms, os_, timeout=60):
+        assert_close_state(got, want)
+
+
+def test_same_dp_loads_its_own_shard_and_missing_shards_are_named():
+    saved = comm.run_local(2, _first_two_steps_sharded, 2, 2, timeout=60)
+    want = reference(STEPS, BATCH, seed=100)
+
+    def own(rank):
+        return _resume_sharded(rank, 2, 2, [saved[rank][0]], [saved[rank][1]])
+
+    for got in comm.run_local(2, own, timeout=60):
+        assert_close_state(got, want)
+    with pytest.raises(ValueError, match="cover .* pass the shard states of every rank"):
+        comm.run_local(1, _resume_sharded, 1, 2, [saved[0][0]], [saved[0][1]], timeout=20)
