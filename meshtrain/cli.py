@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import train_cli
 
     train_cli.add_arguments(train)
+    viz = sub.add_parser("viz", help="pictures: pipeline schedules as Gantt charts")
+    vsub = viz.add_subparsers(dest="viz", required=True)
+    schedule = vsub.add_parser("schedule", help="draw a simulated pipeline schedule or a measured trace as a PNG")
+    from .viz import schedule as viz_schedule
+
+    viz_schedule.add_arguments(schedule)
     return parser
 
 
@@ -34,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import train_cli
 
         return train_cli.main(args)
+    if args.command == "viz" and args.viz == "schedule":
+        from .viz import schedule as viz_schedule
+
+        return viz_schedule.main(args)
     return 2
 
 
