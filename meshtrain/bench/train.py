@@ -41,14 +41,14 @@ def _wrap(impl: str, model: torch.nn.Module, bucket_cap_mb: float, algorithm: st
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.layers:
+        for layer in model.layers.values():
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), **opt_kw)
     if impl == "meshtrain-zero3":
         from ..parallel.zero import ZeroModel, ZeroOptimizer
 
-        zm = ZeroModel(model, stage=3, units=list(model.layers))
+        zm = ZeroModel(model, stage=3, units=list(model.layers.values()))
         return zm, ZeroOptimizer(zm, torch.optim.AdamW, **opt_kw)
     raise ValueError(f"unknown implementation {impl!r}: use one of {IMPLS}")
 

@@ -3,11 +3,19 @@
 Token embedding, RMSNorm, rotary position embeddings, grouped-query attention through
 ``scaled_dot_product_attention``, SwiGLU MLP, and an untied or tied output head. Sizes come from
 ``LlamaConfig``, with named presets in ``PRESETS``.
+
+Parallelism is applied from outside (``meshtrain.parallel.parallelize``), which needs three things
+from the model and nothing more: blocks live in a ``ModuleDict`` keyed by their layer index (a
+pipeline stage deletes the others and every parameter keeps its full-model name); ``tok_emb``,
+``norm`` and ``head`` may be ``None`` (the stage then takes or returns hidden states); and the
+attention kernel is an attribute (``Attention.attention_fn``) that context parallelism replaces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +61,9 @@ class LlamaConfig:
 
 
 PRESETS: dict[str, LlamaConfig] = {
-    "test": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=128),
+    "test": LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=128),
     "5m": LlamaConfig(),
-    "10m": LlamaConfig(vocab_size=8192, dim=320, n_layers=6, n_heads=5, n_kv_heads=5, ffn_dim=864),
+    "10m": LlamaConfig(vocab_size=8192, dim=320, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=864),
     "1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                       max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -71,10 +79,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise in fp32, return in the input dtype."""
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x), computed in fp32, returned in the input dtype (no scale)."""
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised input times the learned scale."""
+        return self.normalize(x) * self.weight
 
 
 def rotary_table(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +103,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal ``scaled_dot_product_attention``; k/v heads are repeated for grouped-query attention.
+    q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary embeddings."""
+    """Grouped-query causal self-attention with rotary embeddings. The heads a rank holds follow
+    from the projections' output sizes, so tensor parallelism only has to shard the linears."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.hd = cfg.head_dim
+        self.attention_fn = causal_attention
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.hd, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.hd, bias=False)
@@ -104,15 +127,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, dim)."""
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.hd).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.hd).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.hd).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[:2]  # a projection may gather a sequence-parallel input: take its length
+        q, k, v = (t.view(b, s, -1, self.hd).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = self.attention_fn(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -147,44 +166,69 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder: ``forward(tokens) -> logits`` for tokens of shape (batch, seq)."""
+    """The decoder: ``forward(tokens) -> logits`` for tokens of shape (batch, seq).
+
+    A pipeline stage is a ``Llama`` with some of these removed: without ``tok_emb`` it takes hidden
+    states (batch, seq, dim) instead of tokens; without ``head`` it returns hidden states.
+    """
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_emb: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab); ``positions`` are the tokens' global positions (default 0..s-1)."""
-        s = tokens.shape[1]
-        if s > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds max_seq_len={self.cfg.max_seq_len}")
+        """Logits (batch, seq, vocab); ``positions`` are the tokens' global positions (default
+        0..s-1; context parallelism passes the positions of this rank's share)."""
         if positions is None:
-            positions = torch.arange(s, device=tokens.device)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if positions.numel() and int(positions.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} exceeds max_seq_len={self.cfg.max_seq_len}; "
+                             f"use shorter sequences or raise model.max_seq_len")
         cos, sin = rotary_table(self.cfg.head_dim, positions, self.cfg.rope_theta)
-        x = self.tok_emb(tokens)
-        for layer in self.layers:
+        x = self.tok_emb(tokens) if self.tok_emb is not None else tokens
+        for layer in self.layers.values():
             x = layer(x, cos, sin)
-        return self.head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
+
+
+def param_std(name: str, cfg: LlamaConfig) -> float | None:
+    """The init std of a parameter by its full-model name (None: a norm scale, set to one).
+    Output projections are scaled by 1/sqrt(2L) as in GPT-2."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("wo.weight", "w2.weight")):
+        return 0.02 / (2 * cfg.n_layers) ** 0.5
+    return 0.02
+
+
+def full_value(name: str, shape: torch.Size | tuple[int, ...], cfg: LlamaConfig, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name``: it depends only on the seed and
+    the name, so every layout (and every pipeline stage) starts from the same weights."""
+    std = param_std(name, cfg)
+    if std is None:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    return torch.randn(shape, generator=g) * std
 
 
 def init_weights(model: Llama, seed: int = 0) -> None:
-    """Normal(0, 0.02) for matrices and embeddings (output projections scaled by 1/sqrt(2L)), ones
-    for norms, from one generator: the same seed gives the same weights."""
-    g = torch.Generator().manual_seed(seed)
-    std_out = 0.02 / (2 * model.cfg.n_layers) ** 0.5
+    """Initialise every parameter from ``full_value(name)``. A sharded parameter carries
+    ``shard = (dim, index, parts)`` (set by the tensor-parallel layers) and receives its slice."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                std = std_out if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+            dim, index, parts = getattr(p, "shard", (0, 0, 1))
+            full_shape = list(p.shape)
+            full_shape[dim] *= parts
+            full = full_value(name, tuple(full_shape), model.cfg, seed)
+            p.copy_(full.narrow(dim, index * p.shape[dim], p.shape[dim]))
 
 
 def num_params(model: nn.Module) -> int:

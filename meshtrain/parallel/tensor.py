@@ -17,6 +17,13 @@ from .tensor_comm import (CopyToTP, GatherFromSP, GatherFromTP, ReduceFromTP, Re
                           VocabParallelCrossEntropy)
 
 
+def mark_shard(param: nn.Parameter, dim: int, group: Group) -> nn.Parameter:
+    """Record that ``param`` is slice ``group.rank`` of ``group.size`` equal parts along ``dim`` of a
+    full tensor (nanotron's shard metadata): init by name and checkpoints rebuild the full one."""
+    param.shard = (dim, group.rank, group.size)  # type: ignore[attr-defined]
+    return param
+
+
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ConfigError(f"{what} = {n} is not divisible by tp = {tp}; choose a tp degree that divides it")
@@ -36,8 +43,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.out_local = _divide(out_features, group.size, "out_features")
-        self.weight = nn.Parameter(torch.empty(self.out_local, in_features))
-        self.bias = nn.Parameter(torch.zeros(self.out_local)) if bias else None
+        self.weight = mark_shard(nn.Parameter(torch.empty(self.out_local, in_features)), 0, group)
+        self.bias = mark_shard(nn.Parameter(torch.zeros(self.out_local)), 0, group) if bias else None
 
     @classmethod
     def from_full(cls, full: nn.Linear, group: Group, **kw) -> "ColumnParallelLinear":
@@ -67,7 +74,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.in_local = _divide(in_features, group.size, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
+        self.weight = mark_shard(nn.Parameter(torch.empty(out_features, self.in_local)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
@@ -102,7 +109,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.rows = _divide(num_embeddings, group.size, "vocab_size")
         self.start = group.rank * self.rows
-        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+        self.weight = mark_shard(nn.Parameter(torch.empty(self.rows, dim)), 0, group)
 
     @classmethod
     def from_full(cls, full: nn.Embedding, group: Group, **kw) -> "VocabParallelEmbedding":

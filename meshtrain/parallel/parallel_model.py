@@ -1,0 +1,134 @@
+"""A Llama on a (dp, pp, cp, tp) mesh, ready to train: build, one forward/backward step, optimizer.
+
+The step takes the *global* batch, so every layout sees the same data: this rank keeps its dp rows
+and its cp share of the sequence, splits the rows into micro-batches and runs its pipeline
+schedule. Each micro-batch's loss is its token-loss sum divided by the rank's token count, so the
+micro-batches add up to the rank's mean; averaging gradients over dp x cp then gives exactly the
+gradient of the global mean that one process computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..errors import ConfigError
+from ..mesh import Mesh
+from ..models.llama import Llama, LlamaConfig
+from .context import cp_positions, cp_shard
+from .data import DataParallel
+from .parallelize import ParallelConfig, parallelize
+from .pipeline.engine import PipelineEngine, StepStats
+from .pipeline.partition import split_stages
+from .pipeline.schedule import build_schedule, check_schedule
+from .tensor import vocab_parallel_cross_entropy
+from .zero import ZeroModel, ZeroOptimizer
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a ``DataParallel`` / ``ZeroModel`` wrapper."""
+    return module.module if isinstance(module, (DataParallel, ZeroModel)) else module
+
+
+class ParallelModel:
+    """This rank's part of a Llama under a mesh: its pipeline stages (one per virtual stage),
+    each tensor/context/data parallel as configured, and the schedule that runs them."""
+
+    def __init__(self, cfg: LlamaConfig, mesh: Mesh, config: ParallelConfig | None = None, seed: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        self.cfg, self.mesh, self.config = cfg, mesh, config or ParallelConfig()
+        pc = self.config
+        v = pc.virtual_stages
+        self.n_stages = mesh.pp * v
+        self.schedule = build_schedule(pc.schedule, mesh.pp, pc.microbatches, v)
+        check_schedule(self.schedule, mesh.pp, pc.microbatches, v)
+        self.actions = self.schedule[mesh.coords.pp]
+        with torch.device("meta"):
+            full = Llama(cfg)
+        ids = [c * mesh.pp + mesh.coords.pp for c in range(v)]
+        parts = split_stages(full, self.n_stages, ids)
+        self.stages: dict[int, nn.Module] = {s: parallelize(m, mesh, pc, seed, device) for s, m in parts.items()}
+        self.engine = PipelineEngine(self.stages, self.n_stages, lambda s: mesh.stage_rank(s % mesh.pp),
+                                     mesh.pp_group, self._loss)
+        self._tokens_per_rank = 1
+        self.last_stats: StepStats | None = None
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's rows (dp) and sequence share (cp) of a global batch, and their positions."""
+        mesh, b, s = self.mesh, tokens.shape[0], tokens.shape[1]
+        if b % (mesh.dp * self.config.microbatches):
+            raise ConfigError(f"global batch {b} is not divisible by dp x microbatches = {mesh.dp} x "
+                              f"{self.config.microbatches}; use a batch size that is a multiple of "
+                              f"{mesh.dp * self.config.microbatches}")
+        rows = b // mesh.dp
+        tokens = tokens[mesh.coords.dp * rows : (mesh.coords.dp + 1) * rows]
+        targets = targets[mesh.coords.dp * rows : (mesh.coords.dp + 1) * rows]
+        if mesh.cp > 1:
+            return cp_shard(tokens, mesh.cp_group, 1), cp_shard(targets, mesh.cp_group, 1), \
+                cp_positions(s, mesh.cp_group, device=tokens.device)
+        return tokens, targets, torch.arange(s, device=tokens.device)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.mesh.tp > 1:
+            total = vocab_parallel_cross_entropy(logits.float(), target, self.mesh.tp_group, reduction="sum")
+        else:
+            total = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum")
+        return total / self._tokens_per_rank
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one global batch (batch, seq); gradients end reduced over dp x cp.
+        Returns the global mean loss (the same value on every rank)."""
+        tok, tgt, pos = self.local_batch(tokens, targets)
+        self._tokens_per_rank = tgt.numel()
+        m = self.config.microbatches
+        loss, self.last_stats = self.engine.run(self.actions, list(tok.chunk(m)), list(tgt.chunk(m)),
+                                                {"positions": pos})
+        if self.mesh.pp > 1:  # only the last stage has it
+            comm.all_reduce(loss, group=self.mesh.pp_group)
+        if self.mesh.dp_cp.size > 1:
+            comm.all_reduce(loss, group=self.mesh.dp_cp)
+            loss /= self.mesh.dp_cp.size
+        return loss
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(full-model name, local parameter) of every stage; ``p.shard`` marks tp slices."""
+        out: dict[str, nn.Parameter] = {}
+        for m in self.stages.values():
+            for n, p in unwrap(m).named_parameters():
+                out.setdefault(n, p)
+        return list(out.items())
+
+    def build_optimizer(self, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                        **kwargs: Any) -> "ParallelOptimizer":
+        """One optimizer over this rank's parameters (ZeRO: one sharded optimizer per stage)."""
+        return ParallelOptimizer(self, optimizer_cls, **kwargs)
+
+
+class ParallelOptimizer:
+    """Steps every local stage's parameters: a plain torch optimizer, or ``ZeroOptimizer`` shards."""
+
+    def __init__(self, model: ParallelModel, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        if model.config.zero_stage:
+            self.optimizers: list[Any] = [ZeroOptimizer(m, optimizer_cls, **kwargs) for m in model.stages.values()]
+        else:
+            self.optimizers = [optimizer_cls([p for _, p in model.named_parameters()], **kwargs)]
+
+    def step(self) -> None:
+        """One optimizer step on every part."""
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (set them to None)."""
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)

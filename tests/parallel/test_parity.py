@@ -1,0 +1,127 @@
+"""Loss parity: every (dp, pp, cp, tp) layout trains the test Llama to the one-process losses and
+gradients (fp32, 10 steps, same seed and global batches), with ZeRO off and with ZeRO-1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshtrain import comm
+from meshtrain.comm.launch import spawn
+
+from ._parity import assemble, reference, train_rank
+
+STEPS = 10
+LAYOUTS = {
+    "tp2": (dict(tp=2), {}),
+    "sp": (dict(tp=2), dict(sequence_parallel=True)),
+    "cp2": (dict(cp=2), {}),
+    "pp2-afab": (dict(pp=2), dict(microbatches=2, schedule="afab")),
+    "pp2-1f1b": (dict(pp=2), dict(microbatches=4, schedule="1f1b")),
+    "pp2-interleaved": (dict(pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2)),
+    "dp2": (dict(dp=2), {}),
+    "tp2xpp2": (dict(tp=2, pp=2), dict(microbatches=2)),
+    "tp2xcp2": (dict(tp=2, cp=2), dict(sequence_parallel=True)),
+    "pp2xdp2": (dict(pp=2, dp=2), dict(microbatches=2)),
+    "dp2xpp2xcp2": (dict(dp=2, pp=2, cp=2), dict(microbatches=2)),
+    "tp2xpp2xdp2": (dict(tp=2, pp=2, dp=2), dict(microbatches=2, sequence_parallel=True)),
+    "tp2xcp2xpp2": (dict(tp=2, cp=2, pp=2), dict(microbatches=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def want():
+    return reference(STEPS)
+
+
+def _world(layout: dict) -> int:
+    return math.prod(layout.values())
+
+
+def _check(results, want, zero: bool) -> None:
+    losses, grads = want
+    for rank_losses, _ in results:
+        for got, ref in zip(rank_losses, losses, strict=True):
+            assert abs(got - ref) <= 1e-5 * abs(ref), (rank_losses, losses)
+    if not zero:
+        full = assemble([g for _, g in results])
+        assert full.keys() == grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(full[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_process(name, zero, want):
+    layout, config = LAYOUTS[name]
+    results = comm.run_local(_world(layout), train_rank, layout, {**config, "zero_stage": zero}, STEPS,
+                             timeout=100)
+    _check(results, want, zero)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_parity(mode, want):
+    layout, config = LAYOUTS["tp2xpp2"]
+    config = {**config, "activation_checkpointing": mode, "checkpoint_every": 2}
+    _check(comm.run_local(_world(layout), train_rank, layout, config, STEPS, timeout=100), want, False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["tp2xpp2", "pp2xdp2", "sp"])
+def test_layout_over_gloo_processes(name, want):
+    layout, config = LAYOUTS[name]
+    _check(spawn(_world(layout), train_rank, layout, config, 4, timeout=240), (want[0][:4], want[1]), False)
+
+
+def _build_error(layout: dict, config: dict, cfg_changes: dict | None = None, batch: tuple = (4, 16)):
+    """The ConfigError one layout raises (on every rank), as a string."""
+    from dataclasses import replace
+
+    from meshtrain.errors import ConfigError
+    from meshtrain.mesh import Mesh
+    from meshtrain.parallel.parallel_model import ParallelModel
+    from meshtrain.parallel.parallelize import ParallelConfig
+
+    from ._parity import CFG
+
+    def fn(rank):
+        try:
+            model = ParallelModel(replace(CFG, **(cfg_changes or {})), Mesh(**layout), ParallelConfig(**config))
+            tokens = torch.zeros(batch, dtype=torch.long)
+            model.forward_backward(tokens, tokens)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    errors = comm.run_local(_world(layout), fn, timeout=30)
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    return errors[0]
+
+
+@pytest.mark.parametrize("layout, config, cfg_changes, batch, match", [
+    (dict(tp=4), {}, None, (4, 16), "n_kv_heads = 2 is not divisible by tp = 4"),
+    (dict(tp=2), {}, dict(n_heads=8, n_kv_heads=8, ffn_dim=171), (4, 16), "ffn_dim = 171 is not divisible by tp = 2"),
+    (dict(pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=4), None, (4, 16),
+     "4 layers cannot fill 8 pipeline stages"),
+    (dict(pp=2), dict(microbatches=1), None, (4, 16), "fewer micro-batches"),
+    (dict(dp=2), dict(microbatches=3), None, (4, 16), "global batch 4 is not divisible by dp x microbatches"),
+    (dict(cp=2), {}, None, (4, 6), "not divisible by 2"),
+    (dict(pp=2), dict(microbatches=2), dict(tie_embeddings=True), (4, 16), "tie_embeddings"),
+    (dict(dp=2), dict(sequence_parallel=True), None, (4, 16), "sequence_parallel=true needs tp > 1"),
+])
+def test_bad_layouts_are_config_errors_naming_the_fix(layout, config, cfg_changes, batch, match):
+    assert match in _build_error(layout, config, cfg_changes, batch)
+
+
+def test_bad_parallel_config_values():
+    from meshtrain.errors import ConfigError
+    from meshtrain.parallel.parallelize import ParallelConfig
+
+    with pytest.raises(ConfigError, match="activation_checkpointing = 'some'"):
+        ParallelConfig(activation_checkpointing="some")
+    with pytest.raises(ConfigError, match="zero_stage = 4"):
+        ParallelConfig(zero_stage=4)
+    with pytest.raises(ConfigError, match="microbatches = 0"):
+        ParallelConfig(microbatches=0)
