@@ -20,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import train_cli
 
     train_cli.add_arguments(train)
+    pipe = bsub.add_parser("pipeline", help="pipeline schedules: measured bubble vs theory, activation memory")
+    from .bench import pipeline_cli
+
+    pipeline_cli.add_arguments(pipe)
     viz = sub.add_parser("viz", help="pictures: pipeline schedules as Gantt charts")
     vsub = viz.add_subparsers(dest="viz", required=True)
     schedule = vsub.add_parser("schedule", help="draw a simulated pipeline schedule or a measured trace as a PNG")
@@ -40,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import train_cli
 
         return train_cli.main(args)
+    if args.command == "bench" and args.bench == "pipeline":
+        from .bench import pipeline_cli
+
+        return pipeline_cli.main(args)
     if args.command == "viz" and args.viz == "schedule":
         from .viz import schedule as viz_schedule
 

@@ -32,7 +32,8 @@ class StepStats:
     """What one pipeline step measured on this rank."""
 
     events: list[dict[str, Any]] = field(default_factory=list)
-    """(kind, microbatch, stage, start, end) of every action, in seconds since the step began."""
+    """(kind, microbatch, stage, start, end) of every action, ``time.perf_counter()`` seconds (one
+    clock for all ranks of a host). An action starts once its input has arrived: waiting is idle."""
     peak_activation_bytes: int = 0
     """Most bytes held at once by autograd for micro-batches whose backward had not run."""
 
@@ -106,9 +107,8 @@ class PipelineEngine:
         remaining_b = {s: sum(1 for a in actions if a.kind == "B" and a.stage == s) for s in self.stages}
         works: list[Work] = []
         loss_sum = torch.zeros((), dtype=torch.float32)
-        stats, held, t0 = StepStats(), 0, time.perf_counter()
+        stats, held = StepStats(), 0
         for a in actions:
-            start = time.perf_counter() - t0
             module = self.stages[a.stage]
             if a.kind == "F":
                 if a.stage == 0:
@@ -116,6 +116,7 @@ class PipelineEngine:
                 else:
                     inp = self._recv(a.stage - 1, _ACT, a.microbatch, a.stage - 1).requires_grad_()
                     x = inp
+                start = time.perf_counter()
                 meter = _Meter(self._params)
                 with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
                     out = module(x, **kw)
@@ -130,6 +131,7 @@ class PipelineEngine:
             else:
                 inp, out, nbytes = saved.pop((a.microbatch, a.stage))
                 grad = None if a.stage == last else self._recv(a.stage + 1, _GRAD, a.microbatch, a.stage + 1)
+                start = time.perf_counter()
                 remaining_b[a.stage] -= 1
                 # data-parallel modules reduce gradients only in the stage's last backward of the step
                 sync = remaining_b[a.stage] == 0 or not hasattr(module, "no_sync")
@@ -140,7 +142,7 @@ class PipelineEngine:
                 del inp, out
                 held -= nbytes
             stats.events.append({"kind": a.kind, "microbatch": a.microbatch, "stage": a.stage,
-                                 "start": start, "end": time.perf_counter() - t0})
+                                 "start": start, "end": time.perf_counter()})
             works = _pending(works)
         for w in works:
             w.wait()
