@@ -1,0 +1,1 @@
+"""Tests of meshtrain.train: config, data, tokenizer, loader."""
