@@ -61,7 +61,7 @@ class LlamaConfig:
 
 
 PRESETS: dict[str, LlamaConfig] = {
-    "test": LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=128),
+    "test": LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=128),
     "5m": LlamaConfig(),
     "10m": LlamaConfig(vocab_size=8192, dim=320, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=864),
     "1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,

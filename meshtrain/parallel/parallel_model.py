@@ -118,10 +118,58 @@ class ParallelOptimizer:
     """Steps every local stage's parameters: a plain torch optimizer, or ``ZeroOptimizer`` shards."""
 
     def __init__(self, model: ParallelModel, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        self.model = model
         if model.config.zero_stage:
             self.optimizers: list[Any] = [ZeroOptimizer(m, optimizer_cls, **kwargs) for m in model.stages.values()]
         else:
             self.optimizers = [optimizer_cls([p for _, p in model.named_parameters()], **kwargs)]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every part's param groups (set ``lr`` here)."""
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def _grad_pieces(self) -> list[tuple[torch.Tensor, float]]:
+        """(gradient piece, weight): weight 1/tp for parameters replicated over tp, so that summing
+        squares over the tp group counts them once; tp slices (``p.shard``) count fully."""
+        tp = self.model.mesh.tp
+        out = []
+        if not self.model.config.zero_stage:
+            for _, p in self.model.named_parameters():
+                if p.grad is not None:
+                    out.append((p.grad, 1.0 if hasattr(p, "shard") else 1.0 / tp))
+            return out
+        for zo in self.optimizers:  # this rank's slice [lo, lo + shard) of each unit's flat gradient
+            for u in zo.model.units:
+                g = u.master.grad
+                if g is None:
+                    continue
+                for p, off in zip(u.params, u.offsets):
+                    a, b = max(off, u.lo), min(off + p.numel(), u.lo + u.shard_size)
+                    if a < b:
+                        out.append((g[a - u.lo : b - u.lo], 1.0 if hasattr(p, "shard") else 1.0 / tp))
+        return out
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global L2 norm of the whole model's gradient (over tp slices, pipeline stages and
+        ZeRO shards, each counted once); scales the gradients down to ``max_norm`` if larger
+        (``max_norm <= 0``: measure only). Collective over the mesh."""
+        mesh = self.model.mesh
+        sq = torch.zeros((), dtype=torch.float64)
+        pieces = self._grad_pieces()
+        for g, w in pieces:
+            sq += g.double().pow(2).sum() * w
+        groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_cp] if self.model.config.zero_stage else [])
+        for group in groups:
+            if group.size > 1:
+                comm.all_reduce(sq, group=group)
+        norm = float(sq.sqrt())
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            with torch.no_grad():
+                for g, _ in pieces:
+                    g.mul_(coef)
+        return norm
 
     def step(self) -> None:
         """One optimizer step on every part."""

@@ -39,7 +39,7 @@ def test_same_seed_same_weights_and_tied_head():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     t = _model(tie_embeddings=True)
     assert t.head.weight is t.tok_emb.weight
-    assert num_params(t) == num_params(a) - 256 * 64
+    assert num_params(t) == num_params(a) - t.cfg.vocab_size * t.cfg.dim
 
 
 def test_bad_config_and_too_long_input():
@@ -50,4 +50,34 @@ def test_bad_config_and_too_long_input():
 
 
 def test_preset_sizes():
+    assert 0.5e6 < num_params(Llama(PRESETS["test"])) < 1.5e6
     assert 4.5e6 < num_params(Llama(PRESETS["5m"])) < 5.5e6
+    assert 8e6 < num_params(Llama(PRESETS["10m"])) < 15e6
+    with torch.device("meta"):  # the planning shapes, without allocating them
+        assert 1.1e9 < num_params(Llama(PRESETS["1b"])) < 1.4e9
+        assert 7.5e9 < num_params(Llama(PRESETS["8b"])) < 8.5e9
+
+
+def test_init_depends_on_seed_and_name_only():
+    """A shard (p.shard = (dim, index, parts)) gets exactly its slice of the full init, and a
+    stage holding only some layers gets the same values for them as the whole model."""
+    from meshtrain.models.llama import full_value
+
+    full = _model()
+    with torch.device("meta"):
+        part = Llama(full.cfg)
+    del part.layers["0"], part.layers["1"]
+    part.tok_emb = None
+    part.to_empty(device="cpu")
+    part.layers["2"].attn.wq.weight.shard = (0, 1, 2)  # pretend: the second half of the rows
+    with torch.no_grad():
+        part.layers["2"].attn.wq.weight.data = torch.empty(full.cfg.dim // 2, full.cfg.dim)
+    init_weights(part, seed=0)
+    want = dict(full.named_parameters())
+    for name, p in part.named_parameters():
+        if name == "layers.2.attn.wq.weight":
+            torch.testing.assert_close(p, want[name][full.cfg.dim // 2 :], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(p, want[name], rtol=0, atol=0)
+    assert not torch.equal(full_value("layers.2.attn.wq.weight", (4, 4), full.cfg, seed=0),
+                           full_value("layers.2.attn.wq.weight", (4, 4), full.cfg, seed=1))

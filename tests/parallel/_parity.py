@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from meshtrain.models.llama import PRESETS, Llama, init_weights
 
 CFG = PRESETS["test"]
-BATCH, SEQ, LR = 4, 16, 1e-2
+BATCH, SEQ, LR = 4, 16, 1e-3
 
 
 def batches(steps: int) -> list[torch.Tensor]:
@@ -18,8 +18,9 @@ def batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain torch: per-step losses and the first step's gradients by name."""
+def reference(steps: int, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain torch: per-step losses and the first step's gradients by name. With
+    ``clip`` > 0 gradients are clipped to that global norm and the losses come with the norms."""
     model = Llama(CFG)
     init_weights(model, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -29,13 +30,14 @@ def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         if i == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip else None
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append((loss.item(), norm.item()) if clip else loss.item())
     return losses, grads
 
 
-def train_rank(rank: int, layout: dict, config: dict, steps: int) -> tuple[list[float], dict]:
+def train_rank(rank: int, layout: dict, config: dict, steps: int, clip: float = 0.0) -> tuple[list, dict]:
     """Train under ``layout`` for ``steps``; returns the losses and the first step's local gradients
     as {name: (grad, shard)} (gradients only without ZeRO, which moves them into flat shards)."""
     from meshtrain.mesh import Mesh
@@ -50,6 +52,8 @@ def train_rank(rank: int, layout: dict, config: dict, steps: int) -> tuple[list[
         losses.append(model.forward_backward(d[:, :-1], d[:, 1:]).item())
         if i == 0 and not config.get("zero_stage"):
             grads = {n: (p.grad.clone(), getattr(p, "shard", (0, 0, 1))) for n, p in model.named_parameters()}
+        if clip:
+            losses[-1] = (losses[-1], opt.clip_grad_norm_(clip))
         opt.step()
         opt.zero_grad()
     return losses, grads

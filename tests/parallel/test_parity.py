@@ -61,6 +61,20 @@ def test_layout_matches_one_process(name, zero, want):
     _check(results, want, zero)
 
 
+@pytest.mark.parametrize("name, zero", [("tp2xpp2", 0), ("sp", 1), ("tp2xcp2xpp2", 1), ("pp2xdp2", 1)])
+def test_clipped_training_and_global_grad_norm_match(name, zero):
+    """The global gradient norm counts tp slices, stages and ZeRO shards once each: it equals
+    torch's clip_grad_norm_ on one process, and clipped training keeps parity."""
+    clip = 0.05  # small enough that every step clips
+    want, _ = reference(4, clip=clip)
+    layout, config = LAYOUTS[name]
+    for got, _ in comm.run_local(_world(layout), train_rank, layout, {**config, "zero_stage": zero}, 4, clip,
+                                 timeout=100):
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, want, strict=True):
+            assert norm > clip
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm and abs(loss - ref_loss) <= 1e-5 * ref_loss
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_parity(mode, want):
     layout, config = LAYOUTS["tp2xpp2"]
