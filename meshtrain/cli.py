@@ -10,6 +10,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``meshtrain`` command."""
     parser = argparse.ArgumentParser(prog="meshtrain", description="distributed training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a Llama on a (dp, pp, cp, tp) layout; --section.key=value overrides")
+    from .train import cli as train_cli
+
+    train_cli.add_arguments(train)
     bench = sub.add_parser("bench", help="benchmarks that compare with a peer in the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
     comm = bsub.add_parser("comm", help="collective bandwidth/latency table (nccl-tests format)")
@@ -35,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshtrain`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        from .train import cli as train_cli
+
+        return train_cli.main(args, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench" and args.bench == "comm":
         from .bench import comm_cli
 

@@ -1,0 +1,40 @@
+"""Argument handling for ``meshtrain train``: the config file, ``--section.key=value`` overrides,
+``--print-config``, ``--out`` and ``--max-restarts``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``meshtrain train`` (every config key is also an option: --train.lr=1e-3)."""
+    p.add_argument("--config", help="a TOML file; --section.key=value options override it")
+    p.add_argument("--out", help="run directory (default runs/<date-time>)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times after a failure")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Resolve the config, then print it or run it; errors exit 2 with the reason."""
+    from ..errors import MeshtrainError
+    from .config import load_config, to_toml, validate
+    from .launch import launch
+
+    try:
+        config = load_config(args.config, overrides + ([f"--out={args.out}"] if args.out else []))
+        if args.print_config:
+            validate(config)
+            print(to_toml(config), end="")
+            return 0
+        summary = launch(config, max_restarts=args.max_restarts, progress=not args.no_progress)
+    except MeshtrainError as exc:
+        print(f"meshtrain train: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"# trained {summary['steps']} steps of a {summary['params'] / 1e6:.1f}M-parameter model on "
+          f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
+          f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
+          f"{summary['tokens_per_s']:.0f} tokens/s")
+    print(f"# wrote {summary['run_dir']}/metrics.jsonl, loss.png, summary.json, tensorboard/")
+    return 0

@@ -1,0 +1,81 @@
+"""Starting a run: ``meshtrain train`` resolves and validates the config, warms the data caches,
+then starts dp·pp·cp·tp local worker processes with torch.distributed's elastic launcher (or, with
+``comm.transport = "local"``, runs the ranks as threads in this process). Under ``torchrun`` the
+same workers run through ``python -m meshtrain.train`` with the environment torchrun provides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import uuid
+from typing import Any
+
+from .. import comm
+from .config import Config, from_dict, resolve_out, to_dict, validate
+
+
+def world_size(config: Config) -> int:
+    """The number of ranks the layout needs."""
+    p = config.parallel
+    return math.prod((p.dp, p.pp, p.cp, p.tp))
+
+
+def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """One worker process: initialise meshtrain.comm from the launcher's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), train, shut down."""
+    from .trainer import train
+
+    config = from_dict(config_dict)
+    c = config.comm
+    transport = "auto" if c.transport == "auto" else c.transport
+    comm.init(transport=transport, backend=None if c.backend == "auto" else c.backend, timeout=c.timeout_s,
+              check=c.check)
+    try:
+        return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
+    finally:
+        comm.destroy()
+
+
+def _thread_rank(rank: int, config: Config, progress: bool) -> dict[str, Any]:
+    from .trainer import train
+
+    return train(config, progress=progress and rank == 0)
+
+
+def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict[str, Any]:
+    """Run ``config`` on this host; returns rank 0's summary."""
+    resolve_out(config)
+    validate(config)
+    from .tokenizer import prepare_data
+
+    prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
+    n = world_size(config)
+    if config.comm.transport == "local":
+        return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s)[0]
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
+                      rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                      monitor_interval=0.5, rdzv_configs={"timeout": int(config.comm.init_timeout_s)})
+    results = elastic_launch(lc, worker)(to_dict(config), progress)
+    return results[0]
+
+
+def main_torchrun(argv: list[str] | None = None) -> int:
+    """``torchrun ... -m meshtrain.train [--config F] [--section.key=value ...]``: one worker."""
+    from .config import load_config
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    if "--config" in args:
+        i = args.index("--config")
+        path = args[i + 1]
+        del args[i : i + 2]
+    config = load_config(path, args)
+    if not config.out:
+        raise SystemExit("meshtrain.train under torchrun: pass --out DIR (every rank must write to the same run "
+                         "directory)")
+    worker(to_dict(config))
+    return 0

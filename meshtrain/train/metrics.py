@@ -1,0 +1,132 @@
+"""What a run reports: per-step JSON lines, TensorBoard events, a progress bar, the loss plot and
+the model-FLOPs utilisation (MFU) against the device's peak."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.llama import LlamaConfig
+
+# dense bf16 peaks (FLOP/s) of GPUs people train on; CPUs are measured
+GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls with parameters plus 12·L·H·S for attention
+    (PaLM's formula, H = model width, S = sequence length)."""
+    return 6.0 * n_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of the best of a few fp32 n×n matmuls with all of torch's threads."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best
+
+
+def device_peak(device: torch.device) -> float:
+    """Peak FLOP/s of one device: a GPU's datasheet bf16 figure, or for the CPU a matmul
+    microbenchmark measured once and cached (MESHTRAIN_CACHE_DIR or ~/.cache/meshtrain)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK.items():
+            if key in name:
+                return peak
+    cache = Path(os.environ.get("MESHTRAIN_CACHE_DIR", Path.home() / ".cache" / "meshtrain")) / "cpu_peak.json"
+    key = f"{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}"
+    try:
+        data = json.loads(cache.read_text())
+        if data.get("key") == key:
+            return float(data["flops"])
+    except (OSError, ValueError, KeyError):
+        pass
+    flops = measure_cpu_peak()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "flops": flops}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return flops
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA's allocator peak, or the resident set's high-water mark."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsLogger:
+    """Rank 0's record of a run: ``metrics.jsonl`` (one object per step), TensorBoard events
+    beside it, and a tqdm progress bar (step, loss, tokens/s, MFU, ETA)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True) -> None:
+        self.run_dir = run_dir
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.history: list[dict[str, Any]] = []
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb: Any = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:  # tensorboard is a dependency; a broken install should not stop training
+            self.tb = None
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one step's record everywhere."""
+        self.history.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        """Flush and close the files and the bar."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.file.close()
+
+
+def plot_loss(history: list[dict[str, Any]], path: Path) -> None:
+    """``loss.png``: loss against step (written to a temp file, then renamed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,111 @@
+"""The training loop every rank runs: data -> ParallelModel -> AdamW with warmup + cosine, global
+gradient clipping, metrics on rank 0, the loss plot and a summary at the end.
+
+It needs an initialised communicator (processes: ``launch.py``; threads: ``comm.run_local``) whose
+world size is dp·pp·cp·tp. Every rank reads the same global batch; the model takes its share.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import comm
+from ..errors import MeshtrainError
+from ..mesh import Mesh
+from ..models.llama import Llama, num_params
+from ..parallel.parallel_model import ParallelModel
+from .config import Config, TrainSection, model_config, parallel_config, to_toml
+from .loader import GlobalBatchLoader
+from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
+from .tokenizer import prepare_data
+
+
+class TrainingDiverged(MeshtrainError):
+    """The loss became NaN or infinite."""
+
+
+def lr_at(step: int, t: TrainSection) -> float:
+    """Learning rate of 1-based ``step``: linear warmup to ``lr`` over ``warmup_steps``, then a
+    cosine decay to ``min_lr`` at ``steps``."""
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    span = max(t.steps - t.warmup_steps, 1)
+    progress = min(max(step - t.warmup_steps, 0) / span, 1.0)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: this rank's CUDA device if CUDA is available, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", comm.get_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device(name)
+
+
+def train(config: Config, progress: bool = True) -> dict[str, Any]:
+    """Train as configured; returns the run's summary (the same on every rank)."""
+    t, p = config.train, config.parallel
+    torch.manual_seed(t.seed)
+    device = resolve_device(t.device)
+    _, tokenizer, tokens = prepare_data(config.data)
+    cfg = model_config(config, tokenizer.vocab_size)
+    mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)
+    model = ParallelModel(cfg, mesh, parallel_config(config), seed=t.seed, device=device)
+    opt = model.build_optimizer(torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    loader = GlobalBatchLoader(tokens, t.seq_len, t.global_batch, seed=t.seed)
+    with torch.device("meta"):  # the whole model's size, whatever this rank holds
+        n_params = num_params(Llama(cfg))
+    tokens_per_step = t.global_batch * t.seq_len
+    flops_step = flops_per_token(cfg, n_params, t.seq_len) * tokens_per_step
+    peak = device_peak(device) * (mesh.world_size if device.type == "cuda" else 1)  # CPU ranks share a host
+
+    rank0 = comm.get_rank() == 0
+    run_dir = Path(config.out)
+    logger = None
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(config))
+        logger = MetricsLogger(run_dir, t.steps, progress=progress)
+    start = time.perf_counter()
+    try:
+        for step in range(1, t.steps + 1):
+            lr = lr_at(step, t)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = loader.next_batch()
+            comm.reset_stats()
+            t0 = time.perf_counter()
+            loss = float(model.forward_backward(batch.inputs.to(device), batch.targets.to(device)))
+            if not math.isfinite(loss):
+                raise TrainingDiverged(f"the loss became {loss} at step {step}; lower train.lr (now {t.lr}) or "
+                                       f"raise train.warmup_steps, and resume from the last checkpoint")
+            norm = opt.clip_grad_norm_(t.grad_clip)
+            opt.step()
+            opt.zero_grad()
+            dt = time.perf_counter() - t0
+            comm_s = sum(g["total"]["time_s"] for g in comm.stats().values())
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
+                      "mfu": flops_step / dt / peak, "peak_mem_bytes": peak_memory_bytes(device),
+                      "step_s": dt, "comm_s": comm_s, "compute_s": max(dt - comm_s, 0.0),
+                      "samples": batch.sample_ids}
+            if logger is not None and (step % t.log_every == 0 or step == t.steps):
+                logger.log(record)
+    finally:
+        if logger is not None:
+            logger.close()
+    summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "world_size": mesh.world_size,
+               "layout": {"dp": p.dp, "pp": p.pp, "cp": p.cp, "tp": p.tp}, "seconds": time.perf_counter() - start,
+               "run_dir": str(run_dir)}
+    if logger is not None:
+        hist = logger.history
+        summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
+        plot_loss(hist, run_dir / "loss.png")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,77 @@
+"""``meshtrain train`` end to end on small settings: metrics and plots are written, the loss
+falls, every layout gives the one-process losses, bad input exits 2 with the reason."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.train.config import TrainSection
+from meshtrain.train.trainer import lr_at
+
+SMALL = ["--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512", "--train.global_batch=4",
+         "--train.seq_len=32", "--train.warmup_steps=2", "--no-progress"]
+
+
+def _run(tmp_path, name: str, *extra: str, steps: int = 6, transport: str = "local") -> list[dict]:
+    out = tmp_path / name
+    rc = main(["train", f"--out={out}", f"--train.steps={steps}", f"--comm.transport={transport}", *SMALL, *extra])
+    assert rc == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lr_schedule_is_linear_warmup_then_cosine():
+    t = TrainSection(steps=20, warmup_steps=4, lr=1.0, min_lr=0.1)
+    assert [lr_at(s, t) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    for s in (5, 12, 20):
+        want = 0.1 + 0.45 * (1 + math.cos(math.pi * (s - 4) / 16))
+        assert lr_at(s, t) == pytest.approx(want)
+    assert lr_at(20, t) == pytest.approx(0.1)
+
+
+def test_run_writes_metrics_plot_and_summary_and_the_loss_falls(tmp_path, capsys):
+    rows = _run(tmp_path, "run", "--parallel.dp=2", "--parallel.tp=2", steps=12)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    keys = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_s", "compute_s", "samples"}
+    assert keys <= rows[0].keys()
+    assert sum(r["loss"] for r in rows[-3:]) / 3 < rows[0]["loss"] - 0.3
+    assert all(0 < r["mfu"] < 1 and len(r["samples"]) == 4 for r in rows)
+    run = tmp_path / "run"
+    assert (run / "loss.png").stat().st_size > 0 and (run / "config.toml").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_loss"] == rows[-1]["loss"] and summary["layout"]["tp"] == 2
+    assert "loss" in capsys.readouterr().out
+
+
+def test_every_layout_trains_to_the_same_losses(tmp_path):
+    """Warmup, cosine LR, clipping and AdamW through the whole trainer: one rank vs three layouts."""
+    ref = _run(tmp_path, "one", "--parallel.dp=1", "--parallel.tp=1")
+    for i, layout in enumerate([["--parallel.dp=2", "--parallel.tp=2"],
+                                ["--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=2", "--parallel.microbatches=2"],
+                                ["--parallel.dp=1", "--parallel.tp=1", "--parallel.cp=2", "--parallel.zero_stage=1"]]):
+        got = _run(tmp_path, f"l{i}", *layout)
+        for a, b in zip(got, ref, strict=True):
+            assert a["samples"] == b["samples"]
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"]
+
+
+@pytest.mark.timeout(300)
+def test_processes_through_the_elastic_launcher_match_threads(tmp_path):
+    threads = _run(tmp_path, "threads", "--parallel.dp=2", "--parallel.tp=1", steps=3)
+    procs = _run(tmp_path, "procs", "--parallel.dp=2", "--parallel.tp=1", steps=3, transport="auto")
+    assert [r["loss"] for r in procs] == pytest.approx([r["loss"] for r in threads], rel=1e-5)
+
+
+def test_print_config_and_bad_keys(tmp_path, capsys):
+    assert main(["train", "--print-config", "--train.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "[train]" in out and "lr = 0.01" in out
+    assert main(["train", "--train.lrr=0.1", f"--out={tmp_path / 'x'}"]) == 2
+    assert "did you mean 'train.lr'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert main(["train", "--parallel.tp=3", "--model.preset=test", f"--out={tmp_path / 'y'}"]) == 2
+    assert "tp" in capsys.readouterr().err and not (tmp_path / "y").exists()
