@@ -20,7 +20,8 @@ from ..errors import MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, num_params
 from ..parallel.parallel_model import ParallelModel
-from .config import Config, TrainSection, model_config, parallel_config, to_toml
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, TrainSection, model_config, parallel_config, to_dict, to_toml
 from .loader import GlobalBatchLoader
 from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
 from .tokenizer import prepare_data
@@ -68,14 +69,17 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
 
     rank0 = comm.get_rank() == 0
     run_dir = Path(config.out)
+    ckpt_root = run_dir / config.checkpoint.dir
+    start_step = _resume(config, ckpt_root, model, opt, loader)
     logger = None
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(config))
-        logger = MetricsLogger(run_dir, t.steps, progress=progress)
-    start = time.perf_counter()
+        logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress)
+    comm.barrier()  # the run directory exists before anyone writes into it
+    start, loss = time.perf_counter(), float("nan")
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(start_step + 1, t.steps + 1):
             lr = lr_at(step, t)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -97,15 +101,35 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
                       "samples": batch.sample_ids}
             if logger is not None and (step % t.log_every == 0 or step == t.steps):
                 logger.log(record)
+            ck = config.checkpoint
+            if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
+                save_checkpoint(str(ckpt_root), step, model, opt, keep=ck.keep, extra={
+                    "step": step, "loader": loader.state_dict(), "config": to_dict(config),
+                    "rng": torch.get_rng_state()})
     finally:
         if logger is not None:
             logger.close()
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "world_size": mesh.world_size,
                "layout": {"dp": p.dp, "pp": p.pp, "cp": p.cp, "tp": p.tp}, "seconds": time.perf_counter() - start,
                "run_dir": str(run_dir)}
-    if logger is not None:
+    if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
         plot_loss(hist, run_dir / "loss.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader) -> int:
+    """Load the checkpoint ``checkpoint.resume`` names ("auto": this run's latest, if any) into the
+    model, optimizer and loader, under whatever layout this run has; returns its step (0: none)."""
+    want = config.checkpoint.resume
+    if not want:
+        return 0
+    path = latest_checkpoint(str(root)) if want == "auto" else want
+    if path is None:
+        return 0
+    extra = load_checkpoint(path, model, opt)
+    loader.load_state_dict(extra["loader"])
+    torch.set_rng_state(extra["rng"])
+    return int(extra["step"])

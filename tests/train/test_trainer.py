@@ -75,3 +75,27 @@ def test_print_config_and_bad_keys(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["train", "--parallel.tp=3", "--model.preset=test", f"--out={tmp_path / 'y'}"]) == 2
     assert "tp" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_resume_same_layout_is_bitwise_and_other_layout_within_1e5(tmp_path):
+    """A run that lost everything after its step-3 checkpoint resumes ("auto": its own latest) with
+    the samples and the bitwise losses of the run that never stopped; another layout resumes from
+    the same checkpoint within 1e-5."""
+    import shutil
+
+    dp2tp2 = ["--parallel.dp=2", "--parallel.tp=2"]
+    full = _run(tmp_path, "full", *dp2tp2, "--checkpoint.every=3")
+    half = tmp_path / "half"  # the same run, killed after step 3's checkpoint
+    shutil.copytree(tmp_path / "full" / "checkpoints", half / "checkpoints")
+    shutil.rmtree(half / "checkpoints" / "step-00000006")
+    (half / "checkpoints" / "latest").write_text("step-00000003")
+    resumed = _run(tmp_path, "half", *dp2tp2, "--checkpoint.resume=auto")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]  # bitwise
+    assert [r["samples"] for r in resumed] == [r["samples"] for r in full[3:]]
+    other = _run(tmp_path, "other", "--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=2",
+                 "--parallel.microbatches=2", "--parallel.zero_stage=1",
+                 f"--checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step-00000003'}")
+    assert [r["step"] for r in other] == [4, 5, 6]
+    for a, b in zip(other, full[3:]):
+        assert a["samples"] == b["samples"] and abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
