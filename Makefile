@@ -5,7 +5,7 @@ bootstrap:
 	@bash scripts/bootstrap.sh
 
 run: bootstrap
-	.venv/bin/meshtrain bench comm --json runs/bench/comm.json --plot runs/bench/comm.png
+	.venv/bin/meshtrain train
 
 test: bootstrap
 	.venv/bin/python -m pytest

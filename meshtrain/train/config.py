@@ -101,7 +101,7 @@ class ParallelSection:
 class TrainSection:
     """The optimisation: steps, batch, AdamW with warmup + cosine decay, clipping, seed."""
 
-    steps: int = 150
+    steps: int = 120
     """Optimizer steps to run."""
     global_batch: int = 8
     """Sequences per step over all data-parallel ranks (a multiple of dp * microbatches)."""

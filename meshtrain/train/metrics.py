@@ -20,13 +20,15 @@ GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10
 
 
 def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls with parameters plus 12·L·H·S for attention
-    (PaLM's formula, H = model width, S = sequence length)."""
+    """Training FLOPs per token: 6N for the matmuls with parameters (N without the input
+    embedding, which is a lookup) plus 12·L·H·S for attention (PaLM's formula, H = model width,
+    S = sequence length)."""
     return 6.0 * n_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of the best of a few fp32 n×n matmuls with all of torch's threads."""
+def measure_cpu_peak(n: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of the best of several fp32 n×n matmuls with all of torch's threads (the best, so
+    that a busy moment does not lower the peak and inflate MFU)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
     best = math.inf

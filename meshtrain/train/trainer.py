@@ -62,9 +62,12 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
     opt = model.build_optimizer(torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     loader = GlobalBatchLoader(tokens, t.seq_len, t.global_batch, seed=t.seed)
     with torch.device("meta"):  # the whole model's size, whatever this rank holds
-        n_params = num_params(Llama(cfg))
+        full = Llama(cfg)
+    n_params = num_params(full)
+    # the embedding lookup does no matmul: MFU counts 6N over the other parameters (tied: the head's)
+    n_matmul = n_params - (0 if cfg.tie_embeddings else full.tok_emb.weight.numel())
     tokens_per_step = t.global_batch * t.seq_len
-    flops_step = flops_per_token(cfg, n_params, t.seq_len) * tokens_per_step
+    flops_step = flops_per_token(cfg, n_matmul, t.seq_len) * tokens_per_step
     peak = device_peak(device) * (mesh.world_size if device.type == "cuda" else 1)  # CPU ranks share a host
 
     rank0 = comm.get_rank() == 0
