@@ -64,6 +64,8 @@ class FlatUnit:
 
     def free(self) -> None:
         """Release the full parameters' memory (ZeRO-3); the views stay valid for the next gather."""
+        if self._pending is not None:  # a prefetch still writes into the buffer: let it land first
+            self.wait_gathered()
         if self.gathered and self.padded:
             self.full.untyped_storage().resize_(0)
         self.gathered = False

@@ -82,6 +82,9 @@ class ZeroModel(nn.Module):
         self._works: list[Work] = []
         self._launched: set[int] = set()
         self._armed = False
+        # forwards whose backward has not finished: a pipeline runs several forwards before their
+        # backwards, and ZeRO-3 must keep what a later backward still needs
+        self._outstanding = 0
         if stage == 3:
             for m in blocks:
                 if id(m) in self._unit_of_module:
@@ -96,6 +99,8 @@ class ZeroModel(nn.Module):
         """Run the module; for ZeRO-3 the root unit is gathered for the whole step."""
         if self.stage == 3 and self._root is not None:
             self._root.wait_gathered()
+        if torch.is_grad_enabled():
+            self._outstanding += 1
         if self.mp.param_dtype != torch.float32:
             args = tuple(a.to(self.mp.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                          for a in args)
@@ -155,8 +160,8 @@ class ZeroModel(nn.Module):
             if not v.complete():
                 break
             self._launched.add(v.index)
-            if self.stage == 3 and v is not self._root:
-                v.free()
+            if self.stage == 3 and v is not self._root and self._outstanding <= 1:
+                v.free()  # (with more backwards to come, the unit stays for them)
             self._works.append(v.reduce_scatter(keep_full=self.stage == 1))
 
     def _finalize(self) -> None:
@@ -177,8 +182,10 @@ class ZeroModel(nn.Module):
             self._launched.clear()
             for u in self.units:
                 u.ready.clear()
-            if self.stage == 3 and self._root is not None:
-                self._root.free()
+            self._outstanding = max(self._outstanding - 1, 0)
+            if self.stage == 3 and self._outstanding == 0:
+                for u in self.units:  # the last backward of the step: nothing is needed any more
+                    u.free()
 
     # -- parameters for outside use --------------------------------------------------------------
 

@@ -61,6 +61,19 @@ def test_layout_matches_one_process(name, zero, want):
     _check(results, want, zero)
 
 
+@pytest.mark.parametrize("name, layout, config", [
+    ("pp2xdp2-zero3", dict(pp=2, dp=2), dict(microbatches=2, zero_stage=3)),
+    ("pp2-afab-zero3", dict(pp=2), dict(microbatches=2, schedule="afab", zero_stage=3)),
+    ("interleaved-dp2-zero2", dict(pp=2, dp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2,
+                                                     zero_stage=2)),
+    ("sp-dp2-zero3", dict(tp=2, dp=2), dict(sequence_parallel=True, zero_stage=3)),
+    ("cp2xdp2-zero3", dict(cp=2, dp=2), dict(zero_stage=3)),
+])
+def test_zero_2_and_3_keep_parity_under_model_parallelism(name, layout, config, want):
+    """ZeRO-3 under a pipeline keeps the units a later micro-batch's backward still needs."""
+    _check(comm.run_local(_world(layout), train_rank, layout, config, STEPS, timeout=100), want, True)
+
+
 @pytest.mark.parametrize("name, zero", [("tp2xpp2", 0), ("sp", 1), ("tp2xcp2xpp2", 1), ("pp2xdp2", 1)])
 def test_clipped_training_and_global_grad_norm_match(name, zero):
     """The global gradient norm counts tp slices, stages and ZeRO shards once each: it equals
