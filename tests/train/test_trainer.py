@@ -59,11 +59,21 @@ def test_every_layout_trains_to_the_same_losses(tmp_path):
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"]
 
 
-@pytest.mark.timeout(300)
-def test_processes_through_the_elastic_launcher_match_threads(tmp_path):
-    threads = _run(tmp_path, "threads", "--parallel.dp=2", "--parallel.tp=1", steps=3)
-    procs = _run(tmp_path, "procs", "--parallel.dp=2", "--parallel.tp=1", steps=3, transport="auto")
+@pytest.mark.timeout(400)
+def test_processes_default_layout_then_resume_as_pp2xdp2_zero3(tmp_path):
+    """Through real processes (elastic launcher, shm): the default dp2 x tp2 layout gives the
+    threads' losses; its step-2 checkpoint resumes as pp2 x dp2 with ZeRO-3 within 1e-5."""
+    threads = _run(tmp_path, "threads", "--parallel.dp=2", "--parallel.tp=2", steps=4)
+    procs = _run(tmp_path, "procs", "--parallel.dp=2", "--parallel.tp=2", "--checkpoint.every=2", steps=4,
+                 transport="auto")
     assert [r["loss"] for r in procs] == pytest.approx([r["loss"] for r in threads], rel=1e-5)
+    ckpt = tmp_path / "procs" / "checkpoints" / "step-00000002"
+    resumed = _run(tmp_path, "resumed", "--parallel.dp=2", "--parallel.tp=1", "--parallel.pp=2",
+                   "--parallel.microbatches=2", "--parallel.zero_stage=3", f"--checkpoint.resume={ckpt}", steps=4,
+                   transport="auto")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["samples"] for r in resumed] == [r["samples"] for r in threads[2:]]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in threads[2:]], rel=1e-5)
 
 
 def test_print_config_and_bad_keys(tmp_path, capsys):
