@@ -45,8 +45,11 @@ def _thread_rank(rank: int, config: Config, progress: bool) -> dict[str, Any]:
 
 
 def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Run ``config`` on this host; returns rank 0's summary."""
+    """Run ``config`` on this host; returns rank 0's summary. With ``max_restarts`` the elastic
+    agent restarts failed workers, which resume from the run's latest checkpoint."""
     resolve_out(config)
+    if max_restarts and not config.checkpoint.resume:
+        config.checkpoint.resume = "auto"
     validate(config)
     from .tokenizer import prepare_data
 

@@ -41,6 +41,8 @@ def test_run_writes_metrics_plot_and_summary_and_the_loss_falls(tmp_path, capsys
     assert all(0 < r["mfu"] < 1 and len(r["samples"]) == 4 for r in rows)
     run = tmp_path / "run"
     assert (run / "loss.png").stat().st_size > 0 and (run / "config.toml").exists()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000012"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_loss"] == rows[-1]["loss"] and summary["layout"]["tp"] == 2
     assert "loss" in capsys.readouterr().out
@@ -85,6 +87,8 @@ def test_print_config_and_bad_keys(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["train", "--parallel.tp=3", "--model.preset=test", f"--out={tmp_path / 'y'}"]) == 2
     assert "tp" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    assert main(["train", "--train.steps=abc", f"--out={tmp_path / 'z'}"]) == 2
+    assert "train.steps" in capsys.readouterr().err and not (tmp_path / "z").exists()
 
 
 def test_resume_same_layout_is_bitwise_and_other_layout_within_1e5(tmp_path):
