@@ -1,0 +1,319 @@
+"""``meshtrain launch``: write the job that runs a config on a cluster: an sbatch script for Slurm,
+or a Kubeflow ``PyTorchJob`` manifest (plus a ConfigMap holding the config) for Kubernetes. Either
+way, each node runs one torchrun that starts ``python -m meshtrain.train`` on every GPU.
+
+The config is loaded and validated here first, and its layout must fill nodes x gpus-per-node
+exactly. A job that could not start is never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, MeshtrainError
+
+EMITTERS = ("slurm", "k8s")
+GPU_OVERRIDES = ("--comm.backend=nccl", "--train.device=cuda")  # appended to every worker's command
+CONFIG_DIR = "/etc/meshtrain"  # where the ConfigMap is mounted in the pods
+RUNS_DIR = "/runs"  # where --pvc mounts its claim in the pods
+DEFAULT_TIME = "01:00:00"
+_SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_TIME = re.compile(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)")
+_K8S_NAME_MAX = 45  # pod names "<name>-worker-<i>" must stay within a 63-character DNS label
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``meshtrain launch``."""
+    p.add_argument("--emit", required=True, choices=EMITTERS,
+                   help="slurm: an sbatch script; k8s: a Kubeflow PyTorchJob manifest with a ConfigMap")
+    p.add_argument("--nodes", type=int, required=True, help="hosts (one torchrun per host)")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs, and so worker processes, per host")
+    p.add_argument("--config", required=True, help="the run's TOML config; its dp*pp*cp*tp must be nodes*gpus")
+    p.add_argument("--out", help="write the script / manifest here (default: standard output)")
+    p.add_argument("--name", help="job name (default: meshtrain-<config file stem>)")
+    p.add_argument("--image", help="k8s: container image with meshtrain installed (default meshtrain:latest)")
+    p.add_argument("--run-dir", help="the run directory every node writes to, on shared storage "
+                   f"(default: slurm runs/NAME, relative to the submit directory; k8s {RUNS_DIR}/NAME)")
+    p.add_argument("--partition", help="slurm: the partition")
+    p.add_argument("--time", help=f"wall-clock limit [D-]HH:MM:SS (slurm default {DEFAULT_TIME}; k8s: "
+                   "runPolicy.activeDeadlineSeconds, none by default)")
+    p.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node (default 29500)")
+    p.add_argument("--cpus-per-gpu", type=int, default=8, help="CPU cores per GPU process (default 8); "
+                   "sets OMP_NUM_THREADS and, on slurm, cpus-per-task")
+    p.add_argument("--pvc", help=f"k8s: a PersistentVolumeClaim mounted at {RUNS_DIR} in every pod (the shared "
+                   "run directory)")
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything an emitter needs, validated."""
+
+    emit: str  # "slurm" or "k8s"
+    name: str
+    nodes: int
+    gpus: int  # per node
+    cpus_per_gpu: int
+    config_path: str  # absolute
+    config_text: str  # the file, byte for byte (the ConfigMap's content)
+    layout: str  # "dp=4 x tp=2", for the header comment
+    run_dir: str
+    port: int
+    image: str
+    partition: str | None
+    time: str | None
+    pvc: str | None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _world_error(path: str, p: Any, nodes: int, gpus: int) -> ConfigError:
+    world, have, rest = p.world_size, nodes * gpus, p.pp * p.cp * p.tp
+    fixes = [f"set parallel.dp = {have // rest} in the config"] if have % rest == 0 else []
+    if world % gpus == 0:
+        fixes.append(f"use --nodes {world // gpus}")
+    elif world % nodes == 0:
+        fixes.append(f"use --gpus-per-node {world // nodes}")
+    fixes = fixes or [f"choose --nodes and --gpus-per-node whose product is {world}"]
+    return ConfigError(f"{path}: the layout dp={p.dp} x pp={p.pp} x cp={p.cp} x tp={p.tp} needs {world} ranks, "
+                       f"but --nodes {nodes} x --gpus-per-node {gpus} gives {have} GPUs; {' or '.join(fixes)}")
+
+
+def seconds(time: str) -> int:
+    """``[D-]HH:MM:SS`` as seconds; ``ConfigError`` if malformed."""
+    m = _TIME.fullmatch(time)
+    _need(m is not None, f"--time {time!r} is not [D-]HH:MM:SS; e.g. --time 02:30:00 or --time 1-00:00:00")
+    d, h, mi, s = (int(x or 0) for x in m.groups())  # type: ignore[union-attr]
+    return ((d * 24 + h) * 60 + mi) * 60 + s
+
+
+def build_job(args: argparse.Namespace) -> Job:
+    """Check the arguments and the config; the ``Job`` to emit. Raises ``ConfigError``."""
+    from .config import load_config
+
+    _need(args.emit in EMITTERS, f"--emit {args.emit!r} is not one of {', '.join(EMITTERS)}")
+    k8s = args.emit == "k8s"
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--cpus-per-gpu", args.cpus_per_gpu)):
+        _need(value >= 1, f"{flag} must be >= 1, got {value}")
+    _need(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")
+    if args.time is not None:
+        seconds(args.time)
+    for flag, value, only in (("--partition", args.partition, "slurm"), ("--image", args.image, "k8s"),
+                              ("--pvc", args.pvc, "k8s")):
+        _need(value is None or args.emit == only, f"{flag} applies to --emit {only} only; drop it")
+    # The workers run with the GPU overrides, so the config is checked with them.
+    try:
+        config = load_config(args.config, GPU_OVERRIDES)
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {args.config!r} is not UTF-8 text; pass a TOML file") from None
+    p = config.parallel
+    if p.world_size != args.nodes * args.gpus_per_node:
+        raise _world_error(args.config, p, args.nodes, args.gpus_per_node)
+    name = args.name or _default_name(args.config, k8s)
+    if k8s:
+        _need(bool(_DNS_LABEL.fullmatch(name)) and len(name) <= _K8S_NAME_MAX,
+              f"--name {name!r} is not a Kubernetes name: use at most {_K8S_NAME_MAX} lowercase letters, digits "
+              f"and '-', starting and ending with a letter or digit")
+    else:
+        _need(bool(_SLURM_NAME.fullmatch(name)), f"--name {name!r}: use letters, digits, '.', '_' and '-' only")
+    text = Path(args.config).read_bytes().decode("utf-8")  # exact, CRLF included
+    _need(not k8s or len(text.encode()) < 1 << 20, "the config is over 1 MiB, more than a ConfigMap holds; "
+          "shorten it")
+    run_dir = args.run_dir or (f"{RUNS_DIR}/{name}" if k8s else f"runs/{name}")
+    if args.pvc:
+        _need(run_dir.startswith(RUNS_DIR + "/"), f"--run-dir {run_dir!r} is outside {RUNS_DIR}, where --pvc "
+              f"mounts its claim; use --run-dir {RUNS_DIR}/{name}")
+    layout = " x ".join(f"{k}={getattr(p, k)}" for k in ("dp", "pp", "cp", "tp") if getattr(p, k) > 1) or "dp=1"
+    job = Job(args.emit, name, args.nodes, args.gpus_per_node, args.cpus_per_gpu,
+              str(Path(args.config).resolve()), text, layout, run_dir, args.port, args.image or "meshtrain:latest",
+              args.partition, args.time, args.pvc)
+    if job.gpus % p.tp:
+        job.warnings.append(f"parallel.tp = {p.tp} does not divide --gpus-per-node {job.gpus}: tensor-parallel "
+                            f"groups will span hosts, which is slow")
+    if k8s and job.nodes > 1 and not job.pvc:
+        job.warnings.append(f"the pods do not share {run_dir}: checkpoints need one filesystem that every rank "
+                            f"sees; pass --pvc CLAIM (or add a shared volume to the manifest)")
+    return job
+
+
+def _default_name(config_path: str, k8s: bool) -> str:
+    stem = Path(config_path).stem
+    stem = re.sub(r"[^a-z0-9]+", "-", stem.lower()) if k8s else re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
+    return f"meshtrain-{stem}"[:_K8S_NAME_MAX].strip("-")
+
+
+# --------------------------------------------------------------------------------------------- slurm
+
+def emit_slurm(job: Job) -> str:
+    """An sbatch script: one task (torchrun) per node, c10d rendezvous on the first node."""
+    sbatch = [("job-name", job.name), ("nodes", job.nodes), ("ntasks-per-node", 1), ("gpus-per-node", job.gpus),
+              ("cpus-per-task", job.gpus * job.cpus_per_gpu)]
+    sbatch += [("partition", job.partition)] if job.partition else []
+    sbatch += [("time", job.time or DEFAULT_TIME), ("output", "%x-%j.out")]
+    q = shlex.quote
+    return "\n".join([
+        "#!/bin/bash",
+        *(f"#SBATCH --{k}={v}" for k, v in sbatch),
+        f"# meshtrain launch: {job.nodes} nodes x {job.gpus} GPUs = {job.nodes * job.gpus} ranks ({job.layout}).",
+        "# Submit with `sbatch THIS_FILE`; the log is <job-name>-<job-id>.out in the submit directory.",
+        "set -euo pipefail",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+        f"export MASTER_PORT={job.port}",
+        f"export OMP_NUM_THREADS={job.cpus_per_gpu}",
+        'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"',
+        f"mkdir -p {q(job.run_dir)}",
+        f"srun torchrun --nnodes $SLURM_NNODES --nproc-per-node {job.gpus} \\",
+        "    --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID \\",
+        f"    -m meshtrain.train --config {q(job.config_path)} --out {q(job.run_dir)} {' '.join(GPU_OVERRIDES)}",
+        ""])
+
+
+# ----------------------------------------------------------------------------------------- kubernetes
+
+def torchrun_k8s(job: Job) -> list[str]:
+    """The container command: static rendezvous on the Master pod. The training operator sets
+    MASTER_ADDR (the Master's service), MASTER_PORT (its ``pytorchjob-port``) and RANK (the pod's
+    index: Master 0, Worker i -> i + 1) in every pod; Kubernetes expands ``$(VAR)``."""
+    return ["torchrun", "--nnodes", str(job.nodes), "--nproc-per-node", str(job.gpus), "--node-rank", "$(RANK)",
+            "--master-addr", "$(MASTER_ADDR)", "--master-port", "$(MASTER_PORT)", "-m", "meshtrain.train",
+            "--config", f"{CONFIG_DIR}/config.toml", "--out", job.run_dir, *GPU_OVERRIDES]
+
+
+def _replica(job: Job, replicas: int) -> dict[str, Any]:
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and shm need more than docker's 64 MB
+               {"name": "config", "configMap": {"name": f"{job.name}-config"}}]
+    if job.pvc:
+        mounts.append({"name": "runs", "mountPath": RUNS_DIR})
+        volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": job.pvc}})
+    container = {"name": "pytorch", "image": job.image, "command": torchrun_k8s(job),
+                 "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
+                 "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
+                         {"name": "OMP_NUM_THREADS", "value": str(job.cpus_per_gpu)}],
+                 "resources": {"limits": {"nvidia.com/gpu": job.gpus}}, "volumeMounts": mounts}
+    return {"replicas": replicas, "restartPolicy": "OnFailure",
+            "template": {"spec": {"containers": [container], "volumes": volumes}}}
+
+
+def emit_k8s(job: Job) -> str:
+    """A ConfigMap with the config and a Kubeflow ``PyTorchJob`` (Master + nodes-1 Workers), as one
+    multi-document YAML for ``kubectl apply -f``."""
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job.name}-config"},
+                 "data": {"config.toml": job.config_text}}
+    specs = {"Master": _replica(job, 1)}
+    if job.nodes > 1:
+        specs["Worker"] = _replica(job, job.nodes - 1)
+    spec: dict[str, Any] = {"pytorchReplicaSpecs": specs}
+    if job.time:
+        spec["runPolicy"] = {"activeDeadlineSeconds": seconds(job.time)}
+    pytorchjob = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": job.name},
+                  "spec": spec}
+    head = [f"# meshtrain launch: {job.nodes} nodes x {job.gpus} GPUs = {job.nodes * job.gpus} ranks ({job.layout}).",
+            "# Needs the Kubeflow training operator; submit with `kubectl apply -f THIS_FILE`."]
+    return "\n".join(head + to_yaml(configmap) + ["---"] + to_yaml(pytorchjob)) + "\n"
+
+
+# ------------------------------------------------------------------------------- a small YAML writer
+
+_PLAIN = re.compile(r"(?:-{1,2}[A-Za-z]|[A-Za-z/$])[A-Za-z0-9_./:=$()-]*")
+_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}  # YAML 1.1 reads these as non-strings
+
+
+def _escape(ch: str) -> str:
+    o = ord(ch)
+    if ch in '"\\':
+        return "\\" + ch
+    if o < 0x20 or 0x7F <= o <= 0x9F or o in (0x2028, 0x2029, 0xFEFF) or 0xD800 <= o <= 0xDFFF:
+        return {"\n": "\\n", "\t": "\\t"}.get(ch, f"\\u{o:04x}")
+    return ch
+
+
+def _scalar(v: Any) -> str:
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
+    if isinstance(v, int):
+        return str(v)
+    s = str(v)
+    if _PLAIN.fullmatch(s) and s.lower() not in _WORDS and not s.endswith(":"):
+        return s
+    return '"' + "".join(map(_escape, s)) + '"'
+
+
+def _value(v: Any, indent: int) -> str:
+    """A scalar; multi-line text as a literal block when that reads back exactly, else quoted."""
+    if isinstance(v, str) and "\n" in v.rstrip("\n") and not v.endswith("\n\n") and v[0] not in " \t\n" \
+            and all(c in "\t\n" or _escape(c) == c or c in '"\\' for c in v) \
+            and not any(line.strip(" ") == "" and line for line in v.split("\n")):
+        pad = " " * indent
+        body = "\n".join(pad + line if line else "" for line in v.rstrip("\n").split("\n"))
+        return ("|" if v.endswith("\n") else "|-") + "\n" + body
+    return _scalar(v)
+
+
+def to_yaml(obj: Any, indent: int = 0) -> list[str]:
+    """Block-style YAML lines for nested dicts / lists of str, int, bool and None."""
+    pad, lines = " " * indent, []
+    items = obj.items() if isinstance(obj, dict) else ((None, v) for v in obj)
+    for k, v in items:
+        lead = f"{pad}{_scalar(k)}:" if isinstance(obj, dict) else f"{pad}-"
+        if isinstance(v, (dict, list)) and v:
+            sub = to_yaml(v, indent + 2)
+            if isinstance(obj, dict):
+                lines += [lead, *sub]
+            else:  # "- key: value" with the item's first line on the dash's line
+                lines += [f"{lead} {sub[0].lstrip()}", *sub[1:]]
+        else:
+            lines.append(f"{lead} {'{}' if v == {} else '[]' if v == [] else _value(v, indent + 2)}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- command
+
+def _write_atomic(path: str, text: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    _need(os.path.isdir(parent), f"--out {path!r}: directory {parent!r} does not exist; create it first")
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"--out {path!r}: cannot write it ({e.strerror}); choose another path") from None
+
+
+EMIT = {"slurm": emit_slurm, "k8s": emit_k8s}
+
+
+def main(args: argparse.Namespace) -> int:
+    """Validate, then write the script / manifest to ``--out`` (atomically) or stdout; 2 on bad input."""
+    try:
+        job = build_job(args)
+        text = EMIT[job.emit](job)
+        if args.out:
+            _write_atomic(args.out, text)
+    except MeshtrainError as exc:
+        print(f"meshtrain launch: error: {exc}", file=sys.stderr)
+        return 2
+    for w in job.warnings:
+        print(f"meshtrain launch: warning: {w}", file=sys.stderr)
+    if not args.out:
+        sys.stdout.write(text)
+        return 0
+    submit = f"sbatch {args.out}" if job.emit == "slurm" else f"kubectl apply -f {args.out}"
+    print(f"# wrote {args.out}: {job.name}, {job.nodes} nodes x {job.gpus} GPUs ({job.layout}); submit with "
+          f"`{submit}`")
+    return 0

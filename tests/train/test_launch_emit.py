@@ -1,0 +1,275 @@
+"""``meshtrain launch``: the sbatch script and the PyTorchJob manifest, parsed and checked field by
+field; their torchrun commands go through torchrun's own argument parser and the workers' config
+loader; bad input exits 2 with a message and writes no file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain.train import launch_emit
+from meshtrain.train.config import load_config
+
+CONFIG = """# a cluster run: 8 ranks
+[model]
+preset = "test"   # "quoted" comment
+
+[parallel]
+dp = 4
+tp = 2
+
+[train]
+steps = 10
+warmup_steps = 2
+\t# a tab-led line
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "my_run.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="meshtrain launch")
+    launch_emit.add_arguments(parser)
+    return launch_emit.main(parser.parse_args(list(argv)))
+
+
+def emit(tmp_path: Path, config: Path, kind: str, nodes: int, gpus: int, *extra: str) -> str:
+    out = tmp_path / f"job.{kind}"
+    assert run("--emit", kind, "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--config", str(config),
+               "--out", str(out), *extra) == 0
+    return out.read_text()
+
+
+def torchrun_args(argv: list[str]) -> argparse.Namespace:
+    from torch.distributed.run import get_args_parser
+
+    assert argv[0] == "torchrun"
+    return get_args_parser().parse_args(argv[1:])
+
+
+def worker_config(script_args: list[str], config_path: Path):
+    """What ``python -m meshtrain.train`` would load from these arguments."""
+    args = list(script_args)
+    i = args.index("--config")
+    del args[i : i + 2]
+    return load_config(str(config_path), args)
+
+
+# ------------------------------------------------------------------------------------------- k8s
+
+def test_k8s_manifest_fields(tmp_path, config):
+    text = emit(tmp_path, config, "k8s", 2, 4, "--image", "reg.io/mesh:1.0", "--port", "23456")
+    docs = list(yaml.safe_load_all(text))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]
+    cm, job = docs
+    assert cm["apiVersion"] == "v1" and cm["data"]["config.toml"] == CONFIG  # byte for byte
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["metadata"]["name"] == "meshtrain-my-run"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"}
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 1
+    for spec in specs.values():
+        assert spec["restartPolicy"] == "OnFailure"
+        pod = spec["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["name"] == "pytorch" and c["image"] == "reg.io/mesh:1.0"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+        assert {"name": "pytorchjob-port", "containerPort": 23456} in c["ports"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["NCCL_DEBUG"] == "WARN" and env["OMP_NUM_THREADS"] == "8"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+        assert volumes[mounts["/etc/meshtrain"]]["configMap"]["name"] == cm["metadata"]["name"]
+        cmd = c["command"]
+        assert cmd[0] == "torchrun" and cmd[cmd.index("-m") + 1] == "meshtrain.train"
+        assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc-per-node") + 1] == "4"
+        assert cmd[cmd.index("--config") + 1] == "/etc/meshtrain/config.toml"
+        assert cmd[-2:] == ["--comm.backend=nccl", "--train.device=cuda"]
+    assert "runPolicy" not in job["spec"]
+
+
+def test_k8s_command_parses_as_torchrun_and_worker(tmp_path, config):
+    """Expand $(VAR) as Kubernetes does with the operator's env, then parse like torchrun and the worker."""
+    cm, job = yaml.safe_load_all(emit(tmp_path, config, "k8s", 2, 4))
+    env = {"RANK": "1", "MASTER_ADDR": "meshtrain-my-run-master-0", "MASTER_PORT": "29500"}
+    cmd = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
+    a = torchrun_args([re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], x) for x in cmd])
+    assert (a.nnodes, a.nproc_per_node, a.node_rank) == ("2", "4", 1)
+    assert (a.master_addr, a.master_port, a.module, a.training_script) == (
+        "meshtrain-my-run-master-0", 29500, True, "meshtrain.train")
+    mounted = tmp_path / "config.toml"
+    mounted.write_text(cm["data"]["config.toml"])
+    cfg = worker_config(a.training_script_args, mounted)
+    assert (cfg.out, cfg.comm.backend, cfg.train.device) == ("/runs/meshtrain-my-run", "nccl", "cuda")
+    assert cfg.parallel.world_size == 8
+
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 8), (4, 2)])
+def test_k8s_replicas(tmp_path, config, nodes, gpus):
+    _, job = yaml.safe_load_all(emit(tmp_path, config, "k8s", nodes, gpus))
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1
+    assert specs.get("Worker", {"replicas": 0})["replicas"] == nodes - 1
+    c = specs["Master"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert c["command"][c["command"].index("--nnodes") + 1] == str(nodes)
+
+
+def test_k8s_options(tmp_path, config):
+    _, job = yaml.safe_load_all(emit(tmp_path, config, "k8s", 2, 4, "--name", "exp-1", "--time", "1-02:00:30",
+                                     "--pvc", "shared-runs", "--run-dir", "/runs/exp-1/a"))
+    assert job["metadata"]["name"] == "exp-1"
+    assert job["spec"]["runPolicy"]["activeDeadlineSeconds"] == 26 * 3600 + 30
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert {"name": "runs", "persistentVolumeClaim": {"claimName": "shared-runs"}} in pod["volumes"]
+    assert {"name": "runs", "mountPath": "/runs"} in pod["containers"][0]["volumeMounts"]
+    cmd = pod["containers"][0]["command"]
+    assert cmd[cmd.index("--out") + 1] == "/runs/exp-1/a"
+
+
+@pytest.mark.parametrize("text", [
+    "plain\n", "a\n  indented\n\ttab\n", " leading space\nx\n", "ws-only\n   \nx\n", "two\n\n", "no newline\nend",
+    'q"u\\o\'te: #x\n', "é ü\n\x01ctl\n", "crlf\r\nx\r\n", "yes", "1:20", "", "-1", "--flag", "$(VAR)", "a: b",
+    "null", "~", "@x", "*a", "&b", "!t", "%p"])
+def test_yaml_strings_read_back(text):
+    lines = launch_emit.to_yaml({"a": {"text": text, "list": [text, {"k": text}]}, "z": 1})
+    doc = yaml.safe_load("\n".join(lines) + "\n")
+    assert doc == {"a": {"text": text, "list": [text, {"k": text}]}, "z": 1}
+
+
+# ------------------------------------------------------------------------------------------- slurm
+
+def sbatch_parts(script: str) -> tuple[dict[str, str], list[str], list[str]]:
+    """(#SBATCH options, other lines, the srun command as argv) of an sbatch script."""
+    lines = script.replace("\\\n", " ").splitlines()
+    opts = dict(line[len("#SBATCH --"):].split("=", 1) for line in lines if line.startswith("#SBATCH --"))
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    return opts, lines, shlex.split(srun)
+
+
+def test_slurm_script_fields(tmp_path, config):
+    script = emit(tmp_path, config, "slurm", 2, 4, "--partition", "gpu", "--time", "02:30:00", "--port", "29600")
+    assert script.startswith("#!/bin/bash\n")
+    opts, lines, argv = sbatch_parts(script)
+    assert opts == {"job-name": "meshtrain-my_run", "nodes": "2", "ntasks-per-node": "1", "gpus-per-node": "4",
+                    "cpus-per-task": "32", "partition": "gpu", "time": "02:30:00", "output": "%x-%j.out"}
+    assert any("scontrol show hostnames" in x and "$SLURM_JOB_NODELIST" in x and "head -n1" in x
+               and x.startswith("export MASTER_ADDR=") for x in lines)
+    assert "export MASTER_PORT=29600" in lines
+    assert argv[:2] == ["srun", "torchrun"]
+    flags = dict(zip(argv[2:14:2], argv[3:14:2]))
+    assert flags == {"--nnodes": "$SLURM_NNODES", "--nproc-per-node": "4", "--rdzv-backend": "c10d",
+                     "--rdzv-endpoint": "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id": "$SLURM_JOB_ID",
+                     "-m": "meshtrain.train"}
+    assert argv[14:] == ["--config", str(config.resolve()), "--out", "runs/meshtrain-my_run",
+                         "--comm.backend=nccl", "--train.device=cuda"]
+
+
+def test_slurm_defaults(tmp_path, config):
+    opts, _, argv = sbatch_parts(emit(tmp_path, config, "slurm", 1, 8, "--run-dir", "/shared/my runs/x"))
+    assert "partition" not in opts and opts["time"] == "01:00:00" and opts["cpus-per-task"] == "64"
+    assert argv[argv.index("--out") + 1] == "/shared/my runs/x"
+
+
+def test_slurm_script_runs(tmp_path, config):
+    """Run the script with stand-in scontrol / srun: the srun argv is a torchrun command line that
+    torchrun's parser and the worker's config loader accept."""
+    emit(tmp_path, config, "slurm", 2, 4)
+    script = tmp_path / "job.slurm"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("scontrol", 'echo node-a; echo node-b'), ("srun", 'printf "%s\\n" "$@" > "$ARGV_FILE"')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node-[a-b]",
+               SLURM_NNODES="2", SLURM_JOB_ID="4242", ARGV_FILE=str(tmp_path / "argv"))
+    subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True, timeout=30)
+    a = torchrun_args((tmp_path / "argv").read_text().splitlines())
+    assert (a.nnodes, a.nproc_per_node, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id) == (
+        "2", "4", "c10d", "node-a:29500", "4242")
+    assert a.module and a.training_script == "meshtrain.train"
+    assert (tmp_path / "runs" / "meshtrain-my_run").is_dir()
+    cfg = worker_config(a.training_script_args, config)
+    assert (cfg.out, cfg.comm.backend, cfg.train.device) == ("runs/meshtrain-my_run", "nccl", "cuda")
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("kind", ["slurm", "k8s"])
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "2", "--gpus-per-node", "8"], "needs 8 ranks, but --nodes 2 x --gpus-per-node 8 gives 16 GPUs; "
+                                               "set parallel.dp = 8 in the config or use --nodes 1"),
+    (["--nodes", "0", "--gpus-per-node", "8"], "--nodes must be >= 1, got 0"),
+    (["--nodes", "1", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--config", "missing.toml"], "config file 'missing.toml' does not exist"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--time", "2h"], "--time '2h' is not [D-]HH:MM:SS"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--port", "0"], "--port must be in 1..65535"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--name", "bad name!"], "--name 'bad name!'"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, config, capsys, kind, argv, message):
+    out = tmp_path / "job.out"
+    argv = ["--emit", kind, "--config", str(config), *argv, "--out", str(out)]
+    assert run(*argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.startswith("meshtrain launch: error: ")
+    assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_run.toml"]  # no file, no temp file
+
+
+def test_error_keeps_an_existing_file(tmp_path, config, capsys):
+    out = tmp_path / "job.yaml"
+    out.write_text("old")
+    assert run("--emit", "k8s", "--nodes", "3", "--gpus-per-node", "8", "--config", str(config), "--out",
+               str(out)) == 2
+    assert "use --gpus-per-node" not in capsys.readouterr().err  # 8 ranks over 3 nodes: no integer fix
+    assert out.read_text() == "old"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--emit", "pbs"], "invalid choice: 'pbs'"),
+    (["--emit", "k8s", "--partition", "gpu"], "--partition applies to --emit slurm only"),
+    (["--emit", "slurm", "--image", "x"], "--image applies to --emit k8s only"),
+    (["--emit", "k8s", "--name", "Upper_Case"], "is not a Kubernetes name"),
+    (["--emit", "k8s", "--name", "job\n"], "is not a Kubernetes name"),
+    (["--emit", "slurm", "--name", "job\n"], "use letters, digits"),
+    (["--emit", "slurm", "--time", "01:00:00\n"], "is not [D-]HH:MM:SS"),
+    (["--emit", "k8s", "--pvc", "c", "--run-dir", "/data/x"], "is outside /runs"),
+    (["--emit", "k8s", "--out", "/nonexistent-dir/job.yaml"], "does not exist; create it first"),
+    (["--emit", "k8s", "--config", "BINARY"], "is not UTF-8 text"),
+])
+def test_bad_options(tmp_path, config, capsys, argv, message):
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[parallel]\n")
+    argv = ["--nodes", "2", "--gpus-per-node", "4", "--config", str(config),
+            *(str(binary) if a == "BINARY" else a for a in argv)]
+    try:
+        rc = run(*argv)
+    except SystemExit as exc:  # argparse's own check of --emit
+        rc = exc.code
+    assert rc == 2 and message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.toml", "my_run.toml"]
+
+
+def test_stdout_and_warnings(tmp_path, config, capsys):
+    assert run("--emit", "k8s", "--nodes", "4", "--gpus-per-node", "2", "--config", str(config)) == 0
+    captured = capsys.readouterr()
+    assert [d["kind"] for d in yaml.safe_load_all(captured.out)] == ["ConfigMap", "PyTorchJob"]
+    assert "pass --pvc CLAIM" in captured.err
+    assert run("--emit", "slurm", "--nodes", "8", "--gpus-per-node", "1", "--config", str(config), "--out",
+               str(tmp_path / "job.sh")) == 0
+    captured = capsys.readouterr()
+    assert "tensor-parallel groups will span hosts" in captured.err
+    assert captured.out.startswith(f"# wrote {tmp_path / 'job.sh'}") and "sbatch" in captured.out
