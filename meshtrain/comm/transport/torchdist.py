@@ -141,7 +141,20 @@ def init_torch_distributed(backend: str | None, timeout: float) -> tuple[dist.St
             )
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        td = datetime.timedelta(seconds=timeout)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend, timeout=td)
+        else:
+            # Under the elastic agent the store can outlive a failed attempt: gloo would read the
+            # dead workers' addresses from it and fail to connect. Key everything by the attempt.
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=not agent_store and rank == 0, timeout=td,
+                                  multi_tenant=not agent_store)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"meshtrain/attempt_{restart}", store),
+                                    rank=rank, world_size=world, timeout=td)
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store(), None
