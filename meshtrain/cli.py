@@ -14,6 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .train import cli as train_cli
 
     train_cli.add_arguments(train)
+    from .train import hf_cli
+
+    hf_cli.add_export_arguments(sub.add_parser("export", help="a checkpoint -> a Hugging Face LlamaForCausalLM "
+                                               "directory"))
+    hf_cli.add_import_arguments(sub.add_parser("import", help="train (any layout) from a local Hugging Face Llama "
+                                               "directory; --section.key=value overrides"))
+    hf_cli.add_generate_arguments(sub.add_parser("generate", help="sample text from a checkpoint"))
     bench = sub.add_parser("bench", help="benchmarks that compare with a peer in the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
     comm = bsub.add_parser("comm", help="collective bandwidth/latency table (nccl-tests format)")
@@ -28,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import pipeline_cli
 
     pipeline_cli.add_arguments(pipe)
+    launch = sub.add_parser("launch", help="write a Slurm sbatch script or a Kubeflow PyTorchJob for a config")
+    from .train import launch_emit
+
+    launch_emit.add_arguments(launch)
     viz = sub.add_parser("viz", help="pictures: pipeline schedules as Gantt charts")
     vsub = viz.add_subparsers(dest="viz", required=True)
     schedule = vsub.add_parser("schedule", help="draw a simulated pipeline schedule or a measured trace as a PNG")
@@ -45,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train import cli as train_cli
 
         return train_cli.main(args, extra)
+    if args.command == "import":
+        from .train import hf_cli
+
+        return hf_cli.main_import(args, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench" and args.bench == "comm":
@@ -59,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import pipeline_cli
 
         return pipeline_cli.main(args)
+    if args.command in ("export", "generate"):
+        from .train import hf_cli
+
+        return hf_cli.main_export(args) if args.command == "export" else hf_cli.main_generate(args)
+    if args.command == "launch":
+        from .train import launch_emit
+
+        return launch_emit.main(args)
     if args.command == "viz" and args.viz == "schedule":
         from .viz import schedule as viz_schedule
 
