@@ -7,6 +7,12 @@ import argparse
 import sys
 
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+# errors that mean bad input (exit 2) when a worker raises them; anything else exits 1
+_BAD_INPUT = {"ConfigError", "DataError", "CheckpointError", "ScheduleError", "TrainingDiverged"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``meshtrain train`` (every config key is also an option: --train.lr=1e-3)."""
     p.add_argument("--config", help="a TOML file; --section.key=value options override it")
@@ -32,6 +38,12 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     except MeshtrainError as exc:
         print(f"meshtrain train: error: {exc}", file=sys.stderr)
         return 2
+    except ChildFailedError as exc:  # a worker process failed: say which and why, in one line
+        rank, failure = exc.get_first_failure()
+        msg = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        print(f"meshtrain train: error: worker rank {rank} failed (exit code {failure.exitcode}): {msg}",
+              file=sys.stderr)
+        return 2 if msg.split(":", 1)[0] in _BAD_INPUT else 1
     print(f"# trained {summary['steps']} steps of a {summary['params'] / 1e6:.1f}M-parameter model on "
           f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
           f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "

@@ -113,3 +113,11 @@ def test_resume_same_layout_is_bitwise_and_other_layout_within_1e5(tmp_path):
     assert [r["step"] for r in other] == [4, 5, 6]
     for a, b in zip(other, full[3:]):
         assert a["samples"] == b["samples"] and abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
+
+
+def test_a_failing_worker_process_is_named_in_one_line(tmp_path, capsys):
+    rc = main(["train", f"--out={tmp_path / 'r'}", "--train.steps=2", "--comm.transport=auto", "--parallel.dp=2",
+               "--parallel.tp=1", f"--checkpoint.resume={tmp_path / 'nowhere'}", *SMALL])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "meshtrain train: error: worker rank" in err and "CheckpointError: no checkpoint at" in err
