@@ -20,6 +20,7 @@ from torch import nn
 
 from ... import comm
 from ...comm import Group, Work
+from ...errors import CollectiveError
 from .schedule import Action
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
@@ -88,11 +89,19 @@ class PipelineEngine:
 
     def _recv(self, src_stage: int, kind: int, mb: int, stage: int) -> torch.Tensor:
         src, tag = self.rank_of_stage(src_stage), self._tag(kind, mb, stage)
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        comm.recv(header, src, group=self.group, tag=tag)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype)
-        comm.recv(out, src, group=self.group, tag=tag)
+        try:
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            comm.recv(header, src, group=self.group, tag=tag)
+            dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+            out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype)
+            comm.recv(out, src, group=self.group, tag=tag)
+        except CollectiveError as exc:
+            # name the pipeline's view of it: which stage waited for what, from whom
+            what = "activation" if kind == _ACT else "gradient"
+            me = self.rank_of_stage(stage + 1 if kind == _ACT else stage - 1)
+            raise type(exc)(f"pipeline stage {stage + 1 if kind == _ACT else stage - 1} (rank {me}) waited for "
+                            f"the {what} of micro-batch {mb} from stage {src_stage} (rank {src}), which did not "
+                            f"send it: {exc}") from exc
         return out
 
     # -- the step --------------------------------------------------------------------------------

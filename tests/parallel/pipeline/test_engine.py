@@ -1,0 +1,48 @@
+"""The pipeline engine alone: a stage whose neighbour never sends fails within the timeout and
+says which stage waited for what, from whom; a schedule that leaves work undone is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtrain import comm
+from meshtrain.bench.pipeline import SleepStage
+from meshtrain.errors import CollectiveTimeout
+from meshtrain.mesh import Mesh
+from meshtrain.parallel.pipeline.engine import PipelineEngine
+from meshtrain.parallel.pipeline.schedule import build_schedule
+
+
+def _engine(rank: int, pp: int) -> PipelineEngine:
+    mesh = Mesh(pp=pp)
+    return PipelineEngine({rank: SleepStage(4, 0.0, 0.0)}, pp, lambda s: s, mesh.pp_group, lambda out, _: out.mean())
+
+
+def test_a_silent_neighbour_is_named_with_stage_and_microbatch():
+    def fn(rank):
+        engine = _engine(rank, 2)
+        if rank == 0:
+            return None  # stage 0 died (or diverged) before sending anything
+        with pytest.raises(CollectiveTimeout) as err:
+            engine.run(build_schedule("1f1b", 2, 2)[1], [None, None], [None, None])
+        return str(err.value)
+
+    msg = comm.run_local(2, fn, timeout=2)[1]
+    assert "pipeline stage 1 (rank 1) waited for the activation of micro-batch 0 from stage 0 (rank 0)" in msg
+
+
+def test_backward_waits_name_the_gradient():
+    def fn(rank):
+        engine = _engine(rank, 2)
+        x = [torch.ones(1, 2, 4), torch.ones(1, 2, 4)]
+        if rank == 1:  # stage 1 receives the activations, then dies before sending gradients back
+            engine._recv(0, 0, 0, 0)  # (src stage, activation, micro-batch, sender's stage)
+            engine._recv(0, 0, 1, 0)
+            return None
+        with pytest.raises(CollectiveTimeout) as err:
+            engine.run(build_schedule("afab", 2, 2)[0], x, [None, None])
+        return str(err.value)
+
+    msg = comm.run_local(2, fn, timeout=2)[0]
+    assert "pipeline stage 0 (rank 0) waited for the gradient of micro-batch 0 from stage 1 (rank 1)" in msg
