@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .train import launch_emit
 
     launch_emit.add_arguments(launch)
+    debug = sub.add_parser("debug", help="post-mortems: which rank stopped where")
+    dsub = debug.add_subparsers(dest="debug", required=True)
+    from .train import debug as debug_mod
+
+    debug_mod.add_arguments(dsub.add_parser("hang", help="read RUN_DIR/flight/ and name the ranks that stopped"))
     viz = sub.add_parser("viz", help="pictures: pipeline schedules as Gantt charts")
     vsub = viz.add_subparsers(dest="viz", required=True)
     schedule = vsub.add_parser("schedule", help="draw a simulated pipeline schedule or a measured trace as a PNG")
@@ -82,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train import launch_emit
 
         return launch_emit.main(args)
+    if args.command == "debug":
+        from .train import debug as debug_mod
+
+        return debug_mod.main(args)
     if args.command == "viz" and args.viz == "schedule":
         from .viz import schedule as viz_schedule
 
