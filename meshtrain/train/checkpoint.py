@@ -263,9 +263,12 @@ def _read(reader: CheckpointReader, key: str, local: torch.Tensor, shard: Shard,
         raise CheckpointError(f"checkpoint {reader.path} has no tensor {key!r} for parameter {what}; it was saved "
                               f"from a different model (the model config must match the one that saved it)")
     if saved != shape:
+        vocab = what.split(".")[0] in ("tok_emb", "head") and saved[1:] == shape[1:]
+        hint = (f"the vocabulary differs ({saved[0]} vs {shape[0]} rows): use the data.tokenizer, data.vocab_size "
+                f"and model.vocab_size of the run that saved it (its config.toml)") if vocab else \
+            "the model config must match the one that saved the checkpoint (its config.toml)"
         raise CheckpointError(f"parameter {what}: the checkpoint {reader.path} holds shape {tuple(saved)} "
-                              f"({key}) but this model has {tuple(shape)}; the model config must match the "
-                              f"one that saved the checkpoint")
+                              f"({key}) but this model has {tuple(shape)}; {hint}")
     out = reader.read(key, box)
     return out.to(device=local.device) if keep_dtype else out.to(device=local.device, dtype=local.dtype)
 

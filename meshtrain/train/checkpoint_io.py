@@ -10,6 +10,7 @@ tensors come only from safetensors files, everything else from JSON.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -91,11 +92,23 @@ def fsync_dir(path: str) -> None:
 
 
 def write_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (not atomic: callers write inside a temp dir)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``data`` to ``path`` and fsync it (not atomic: callers write inside a temp dir). A full
+    disk (or quota) removes the partial file and raises ``CheckpointError`` saying so."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        raise CheckpointError(f"no space left on the device writing {path} ({len(data)} bytes: {exc.strerror}); "
+                              f"the checkpoint was not saved and the previous one is kept; free disk space or "
+                              f"set checkpoint.dir to a disk with room, then resume") from exc
 
 
 def replace_durable(path: str, data: bytes) -> None:

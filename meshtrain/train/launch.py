@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from .. import comm
+from ..errors import CollectiveError, MeshtrainError
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
 
@@ -30,8 +31,16 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
     config = from_dict(config_dict)
     c = config.comm
     transport = "auto" if c.transport == "auto" else c.transport
-    comm.init(transport=transport, backend=None if c.backend == "auto" else c.backend, timeout=c.timeout_s,
-              check=c.check)
+    try:
+        comm.init(transport=transport, backend=None if c.backend == "auto" else c.backend, timeout=c.timeout_s,
+                  check=c.check)
+    except RuntimeError as exc:  # torch's DistNetworkError when the master cannot listen
+        if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
+            raise
+        addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise CollectiveError(f"the rendezvous port {addr} (MASTER_ADDR:MASTER_PORT) is already in use by another "
+                              f"process; pick a free port (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
+                              f"process that holds it") from exc
     try:
         return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
     finally:
@@ -76,9 +85,18 @@ def main_torchrun(argv: list[str] | None = None) -> int:
         i = args.index("--config")
         path = args[i + 1]
         del args[i : i + 2]
-    config = load_config(path, args)
+    try:
+        config = load_config(path, args)
+    except MeshtrainError as exc:
+        print(f"meshtrain.train: error: {exc}", file=sys.stderr)
+        return 2
     if not config.out:
         raise SystemExit("meshtrain.train under torchrun: pass --out DIR (every rank must write to the same run "
                          "directory)")
-    worker(to_dict(config))
+    try:
+        worker(to_dict(config))
+    except MeshtrainError as exc:  # bad input: one line naming it and the fix, exit 2 (as meshtrain train)
+        print(f"meshtrain.train: error: [rank {os.environ.get('RANK', '?')}] {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 2
     return 0

@@ -7,6 +7,7 @@ world size is dp·pp·cp·tp. Every rank reads the same global batch; the model 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..errors import MeshtrainError
+from ..errors import ConfigError, MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, num_params
 from ..parallel.parallel_model import ParallelModel
@@ -53,6 +54,7 @@ def resolve_device(name: str) -> torch.device:
 def train(config: Config, progress: bool = True) -> dict[str, Any]:
     """Train as configured; returns the run's summary (the same on every rank)."""
     t, p = config.train, config.parallel
+    check_same_config(config)
     torch.manual_seed(t.seed)
     device = resolve_device(t.device)
     _, tokenizer, tokens = prepare_data(config.data)
@@ -91,9 +93,11 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
             t0 = time.perf_counter()
             loss = float(model.forward_backward(batch.inputs.to(device), batch.targets.to(device)))
             if not math.isfinite(loss):
-                raise TrainingDiverged(f"the loss became {loss} at step {step}; lower train.lr (now {t.lr}) or "
-                                       f"raise train.warmup_steps, and resume from the last checkpoint")
+                raise TrainingDiverged(f"the loss became {loss} at step {step}; {_diverged_fix(t, ckpt_root)}")
             norm = opt.clip_grad_norm_(t.grad_clip)
+            if not math.isfinite(float(norm)):  # stop before the step writes non-finite weights
+                raise TrainingDiverged(f"the gradient norm became {float(norm)} at step {step}; "
+                                       f"{_diverged_fix(t, ckpt_root)}")
             opt.step()
             opt.zero_grad()
             dt = time.perf_counter() - t0
@@ -121,6 +125,42 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
         plot_loss(hist, run_dir / "loss.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _diverged_fix(t: TrainSection, ckpt_root: Path) -> str:
+    """What to do after a divergence: the knobs, and the last good checkpoint (none of the bad step
+    is written: the trainer stops before saving it)."""
+    last = latest_checkpoint(str(ckpt_root))
+    where = f"resume from the last good checkpoint {last} (--checkpoint.resume={last})" if last else \
+        "no checkpoint was saved before it, so start again"
+    return f"lower train.lr (now {t.lr}) or raise train.warmup_steps (now {t.warmup_steps}), and {where}"
+
+
+def _config_hash(value: Any) -> float:
+    """52 bits of a value's sha256, exact in a float64 (what the all-reduce below sums)."""
+    return float(int(hashlib.sha256(repr(value).encode()).hexdigest()[:13], 16))
+
+
+def check_same_config(config: Config) -> None:
+    """Collective over the world: raise ``ConfigError`` on every rank unless all ranks were started
+    with the same config, naming the ranks that differ from rank 0 and the keys that differ. Each
+    rank contributes one hash per key (a world x keys table, summed: each row is one rank's)."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if world == 1:
+        return
+    flat = {f"{s}.{k}": v for s, sec in to_dict(config).items() if isinstance(sec, dict) for k, v in sec.items()}
+    flat.update({k: v for k, v in to_dict(config).items() if not isinstance(v, dict)})
+    keys = sorted(flat)
+    table = torch.zeros(world, len(keys), dtype=torch.float64)
+    table[rank] = torch.tensor([_config_hash(flat[k]) for k in keys], dtype=torch.float64)
+    comm.all_reduce(table)
+    ranks = [r for r in range(world) if not torch.equal(table[r], table[0])]
+    if ranks:
+        differ = [k for i, k in enumerate(keys) if bool((table[:, i] != table[0, i]).any())]
+        mine = ", ".join(f"{k} = {flat[k]!r}" for k in differ)
+        raise ConfigError(f"rank(s) {ranks} were started with a different config than rank 0: {', '.join(differ)} "
+                          f"differ (rank {rank} has {mine}); start every rank with the same config file and "
+                          f"--section.key overrides")
 
 
 def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader) -> int:
