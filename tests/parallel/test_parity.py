@@ -96,7 +96,7 @@ def test_activation_checkpointing_keeps_parity(mode, want):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["tp2xpp2", "pp2xdp2", "sp"])
+@pytest.mark.parametrize("name", ["pp2-1f1b", "cp2", "sp"])
 def test_layout_over_gloo_processes(name, want):
     layout, config = LAYOUTS[name]
     _check(spawn(_world(layout), train_rank, layout, config, 4, timeout=240), (want[0][:4], want[1]), False)

@@ -61,15 +61,13 @@ def test_every_layout_trains_to_the_same_losses(tmp_path):
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"]
 
 
-@pytest.mark.timeout(400)
-def test_processes_default_layout_then_resume_as_pp2xdp2_zero3(tmp_path):
-    """Through real processes (elastic launcher, shm): the default dp2 x tp2 layout gives the
-    threads' losses; its step-2 checkpoint resumes as pp2 x dp2 with ZeRO-3 within 1e-5."""
-    threads = _run(tmp_path, "threads", "--parallel.dp=2", "--parallel.tp=2", steps=4)
-    procs = _run(tmp_path, "procs", "--parallel.dp=2", "--parallel.tp=2", "--checkpoint.every=2", steps=4,
-                 transport="auto")
-    assert [r["loss"] for r in procs] == pytest.approx([r["loss"] for r in threads], rel=1e-5)
-    ckpt = tmp_path / "procs" / "checkpoints" / "step-00000002"
+@pytest.mark.timeout(300)
+def test_processes_resume_a_dp2xtp2_checkpoint_as_pp2xdp2_zero3(tmp_path):
+    """Real processes (elastic launcher, shm) resume the default dp2 x tp2 layout's step-2
+    checkpoint as pp2 x dp2 with ZeRO-3, within 1e-5 of the run that never stopped, with the same
+    samples. (The default layout itself runs in processes in test_restart.py.)"""
+    threads = _run(tmp_path, "threads", "--parallel.dp=2", "--parallel.tp=2", "--checkpoint.every=2", steps=4)
+    ckpt = tmp_path / "threads" / "checkpoints" / "step-00000002"
     resumed = _run(tmp_path, "resumed", "--parallel.dp=2", "--parallel.tp=1", "--parallel.pp=2",
                    "--parallel.microbatches=2", "--parallel.zero_stage=3", f"--checkpoint.resume={ckpt}", steps=4,
                    transport="auto")
