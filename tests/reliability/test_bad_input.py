@@ -387,3 +387,31 @@ def test_every_bad_input_error_is_a_meshtrain_error():
     """The CLI turns exactly these into exit 2; anything else is a bug (exit 1, traceback)."""
     for cls in (ConfigError, CheckpointError, TrainingDiverged):
         assert issubclass(cls, MeshtrainError)
+
+
+class _Evil:
+    """Unpickling this creates a directory: the proof that a pickle was loaded."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_planted_pickle_is_never_loaded(saved, tmp_path, capsys):
+    """Metadata redirected to a pickle file: refused by name; pickles beside the shards: ignored."""
+    import json
+    import pickle
+
+    root = _copy(saved, tmp_path)
+    step = root / "step-00000002"
+    marker = tmp_path / "pwned"
+    for name in ("model.pt", "rank-00000.pt"):
+        (step / name).write_bytes(pickle.dumps(_Evil(str(marker))))
+    meta = json.loads((step / "metadata.json").read_text())
+    meta["entries"][0]["file"] = "rank-00000.pt"
+    (step / "metadata.json").write_text(json.dumps(meta))
+    err = _resume_fails(tmp_path, capsys, step)
+    assert "rank-00000.pt" in err and "not a shard of this checkpoint" in err and "tampered" in err
+    assert not marker.exists()
