@@ -158,9 +158,9 @@ def check_same_config(config: Config) -> None:
     if ranks:
         differ = [k for i, k in enumerate(keys) if bool((table[:, i] != table[0, i]).any())]
         mine = ", ".join(f"{k} = {flat[k]!r}" for k in differ)
-        raise ConfigError(f"rank(s) {ranks} were started with a different config than rank 0: {', '.join(differ)} "
-                          f"differ (rank {rank} has {mine}); start every rank with the same config file and "
-                          f"--section.key overrides")
+        raise ConfigError(f"rank(s) {ranks} were started with a different config than rank 0 (keys that differ: "
+                          f"{', '.join(differ)}; rank {rank} has {mine}); start every rank with the same config "
+                          f"file and --section.key overrides")
 
 
 def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader) -> int:
