@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..errors import ConfigError, MeshtrainError
+from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, num_params
 from ..parallel.parallel_model import ParallelModel
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, TrainSection, model_config, parallel_config, to_dict, to_toml
+from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
 from .tokenizer import prepare_data
@@ -113,6 +114,10 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
                 save_checkpoint(str(ckpt_root), step, model, opt, keep=ck.keep, extra={
                     "step": step, "loader": loader.state_dict(), "config": to_dict(config),
                     "rng": torch.get_rng_state()})
+    except CollectiveError:
+        # a hang or a desync: leave this rank's last collectives for `meshtrain debug hang RUN_DIR`
+        dump_flight_record(run_dir, comm.get_rank())
+        raise
     finally:
         if logger is not None:
             logger.close()

@@ -52,3 +52,39 @@ def test_a_rank_that_stopped_early_is_named_with_its_last_collective(tmp_path):
 def test_no_records_is_a_clear_error(tmp_path, capsys):
     assert main(["debug", "hang", str(tmp_path)]) == 2
     assert "no flight records" in capsys.readouterr().err
+
+
+def test_a_training_hang_leaves_flight_records_that_name_the_rank(tmp_path, monkeypatch, capsys):
+    """One rank of a dp2 training run stops issuing collectives at step 2; the others time out,
+    dump their flight records into the run directory, and `debug hang` names the rank."""
+    from meshtrain.parallel.parallel_model import ParallelModel
+    from meshtrain.train.config import load_config
+    from meshtrain.train.trainer import train
+
+    real = ParallelModel.forward_backward
+
+    def stalling(self, tokens, targets):
+        self._calls = getattr(self, "_calls", 0) + 1
+        if self._calls == 2 and comm.get_rank() == 1:
+            raise SystemExit  # rank 1 leaves (as if killed) without a word to the others
+        return real(self, tokens, targets)
+
+    monkeypatch.setattr(ParallelModel, "forward_backward", stalling)
+    config = load_config(None, ["--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512",
+                                "--train.global_batch=4", "--train.seq_len=32", "--train.warmup_steps=1",
+                                "--train.steps=3", "--parallel.dp=2", "--parallel.tp=1", f"--out={tmp_path}",
+                                "--checkpoint.enabled=false"])
+
+    def fn(rank):
+        try:
+            train(config, progress=False)
+        except CollectiveTimeout:
+            return "timed out"
+        except SystemExit:
+            return "left"
+        return "finished"
+
+    assert comm.run_local(2, fn, timeout=3) == ["timed out", "left"]
+    assert main(["debug", "hang", str(tmp_path), "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks [1] left no flight record" in out and "ranks [1] never reached" in out

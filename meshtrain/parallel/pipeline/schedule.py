@@ -64,7 +64,7 @@ def _validate(name: str, pp: int, microbatches: int, virtual: int) -> None:
                             f"use virtual=1 or the interleaved schedule")
     if name == "1f1b" and microbatches < pp:
         raise ScheduleError(f"fewer micro-batches (m={microbatches}) than pipeline stages (pp={pp}) for 1F1B; "
-                            f"use at least pp micro-batches or the afab schedule")
+                            f"use at least pp micro-batches (parallel.microbatches >= {pp}) or the afab schedule")
     if name == "interleaved" and microbatches % pp != 0:
         raise ScheduleError(f"the interleaved schedule needs microbatches divisible by pp (Megatron requires it), "
                             f"got m={microbatches}, pp={pp}; use a multiple of {pp}, e.g. "

@@ -197,7 +197,7 @@ def test_afab_start_times_follow_the_pipeline():
     (("1f1b", 0, 8, 1), "pp (pipeline stages) must be >= 1, got 0"),
     (("afab", 2, 0, 1), "microbatches must be >= 1, got 0"),
     (("1f1b", 4, 3, 1), "fewer micro-batches (m=3) than pipeline stages (pp=4) for 1F1B; "
-                        "use at least pp micro-batches or the afab schedule"),
+                        "use at least pp micro-batches (parallel.microbatches >= 4) or the afab schedule"),
     (("interleaved", 4, 6, 2), "needs microbatches divisible by pp (Megatron requires it), got m=6, pp=4; "
                                "use a multiple of 4, e.g. 8"),
     (("afab", 2, 4, 2), "the afab schedule has one model chunk per rank (virtual=1), got virtual=2"),
