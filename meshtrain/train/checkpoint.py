@@ -128,17 +128,69 @@ def save_checkpoint(root: str, step: int, model: ParallelModel, optimizer: Paral
     back as tensors). Atomic: a crash leaves at most a ``.tmp`` directory that loading ignores.
     Keeps the newest ``keep`` committed checkpoints (by step), always including this one.
     """
+    pending = begin_save(root, step, model, optimizer, extra, keep, snapshot=False)
+    pending.write()
+    return pending.finish()
+
+
+class PendingSave:
+    """A save in three phases: ``begin_save`` (collective: collect, agree, make the temp dir),
+    ``write`` (this rank's shard file; no communication, so it may run on a background thread),
+    ``finish`` (collective: agree, rank 0 commits metadata.json, rename, ``latest``, prune)."""
+
+    def __init__(self, root: str, step: int, model: ParallelModel, has_optimizer: bool, tensors: Any,
+                 scalars: Any, groups: Any, extra_json: Any, keep: int) -> None:
+        self.root, self.step, self.model, self.has_optimizer = root, step, model, has_optimizer
+        self.tensors, self.scalars, self.groups, self.extra_json, self.keep = tensors, scalars, groups, extra_json, keep
+        self.final = os.path.join(root, step_dir_name(step))
+        self.tmp = self.final + ".tmp"
+        self.error: BaseException | None = None
+
+    def write(self) -> None:
+        """Write this rank's shard (if it is a writer); an error is kept for ``finish`` to share."""
+        try:
+            if _writer(self.model):
+                write_rank_shard(self.tmp, self.model.mesh.comm.rank, self.tensors, self.scalars)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
+            self.error = exc
+        self.tensors = None  # the snapshot's memory goes as soon as it is on disk
+
+    def finish(self) -> str:
+        """Agree that every shard is durable, commit on rank 0, agree again; returns the step dir."""
+        model, rank, err = self.model, self.model.mesh.comm.rank, self.error
+        try:
+            _agree(model, err, "checkpoint save")  # doubles as the barrier before the commit
+            try:
+                if rank == 0:
+                    _commit(self.root, self.tmp, self.final, self.step, model, self.has_optimizer, self.groups,
+                            self.extra_json, self.keep)
+            except BaseException as exc:  # noqa: BLE001
+                err = exc
+            _agree(model, err, "checkpoint commit")  # and as the barrier after it
+        except CheckpointError:
+            if rank == 0:  # never leave a partial directory behind (loading would ignore it anyway)
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return self.final
+
+
+def begin_save(root: str, step: int, model: ParallelModel, optimizer: ParallelOptimizer | None,
+               extra: dict[str, Any] | None = None, keep: int = 3, snapshot: bool = True) -> PendingSave:
+    """The collective first phase of a save. With ``snapshot`` the tensors are copied, so training
+    may change the parameters while ``write`` runs in the background (an async save)."""
     if not isinstance(step, int) or step < 0 or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"save_checkpoint(step={step!r}, keep={keep!r}): step must be an integer >= 0 "
                               f"and keep an integer >= 1")
     rank = model.mesh.comm.rank
-    final = os.path.join(root, step_dir_name(step))
-    tmp = final + ".tmp"
+    tmp = os.path.join(root, step_dir_name(step)) + ".tmp"
     err: BaseException | None = None
+    tensors = scalars = groups = extra_json = None
     try:
         extra_json = to_json(extra or {})
         json.dumps(extra_json)
         tensors, scalars, groups = _collect(model, optimizer)
+        if snapshot:
+            tensors = {k: (v.detach().clone(), shard) for k, (v, shard) in tensors.items()}
         if rank == 0:
             if os.path.exists(tmp):  # left by a save that crashed at this step
                 shutil.rmtree(tmp)
@@ -147,23 +199,11 @@ def save_checkpoint(root: str, step: int, model: ParallelModel, optimizer: Paral
         err = exc
     try:
         _agree(model, err, "checkpoint save")
-        try:
-            if _writer(model):
-                write_rank_shard(tmp, rank, tensors, scalars)
-        except BaseException as exc:  # noqa: BLE001
-            err = exc
-        _agree(model, err, "checkpoint save")  # doubles as the barrier before the commit
-        try:
-            if rank == 0:
-                _commit(root, tmp, final, step, model, optimizer is not None, groups, extra_json, keep)
-        except BaseException as exc:  # noqa: BLE001
-            err = exc
-        _agree(model, err, "checkpoint commit")  # and as the barrier after it
     except CheckpointError:
-        if rank == 0:  # never leave a partial directory behind (loading would ignore it anyway)
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+    return PendingSave(root, step, model, optimizer is not None, tensors, scalars, groups, extra_json, keep)
 
 
 def _commit(root: str, tmp: str, final: str, step: int, model: ParallelModel, has_optimizer: bool,

@@ -21,7 +21,8 @@ from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, num_params
 from ..parallel.parallel_model import ParallelModel
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint
+from .checkpoint_async import CheckpointSaver
 from .config import Config, TrainSection, model_config, parallel_config, to_dict, to_toml
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
@@ -84,6 +85,7 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
         logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress)
     comm.barrier()  # the run directory exists before anyone writes into it
     start, loss = time.perf_counter(), float("nan")
+    saver = CheckpointSaver(config.checkpoint.async_save)
     try:
         for step in range(start_step + 1, t.steps + 1):
             lr = lr_at(step, t)
@@ -111,9 +113,10 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
                 logger.log(record)
             ck = config.checkpoint
             if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
-                save_checkpoint(str(ckpt_root), step, model, opt, keep=ck.keep, extra={
+                saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra={
                     "step": step, "loader": loader.state_dict(), "config": to_dict(config),
                     "rng": torch.get_rng_state()})
+        saver.wait()  # an async save in flight is committed before the run ends
     except CollectiveError:
         # a hang or a desync: leave this rank's last collectives for `meshtrain debug hang RUN_DIR`
         dump_flight_record(run_dir, comm.get_rank())

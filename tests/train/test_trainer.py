@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import pytest
 
@@ -119,3 +120,32 @@ def test_a_failing_worker_process_is_named_in_one_line(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "meshtrain train: error: worker rank" in err and "CheckpointError: no checkpoint at" in err
+
+
+def test_async_save_overlaps_training_and_its_checkpoints_resume_bitwise(tmp_path, monkeypatch):
+    """With checkpoint.async_save the shard files are written in the background from a snapshot:
+    training is unchanged, and resuming the step-2 checkpoint (written while steps 3.. ran and
+    changed the parameters) continues bitwise."""
+    import time
+
+    from meshtrain.train import checkpoint
+
+    sync = _run(tmp_path, "sync", "--parallel.dp=2", "--parallel.tp=2", "--checkpoint.every=2")
+    real, during = checkpoint.write_rank_shard, []
+
+    def slow_write(*args, **kwargs):  # the writer lags: training goes on meanwhile
+        time.sleep(0.5)
+        during.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_rank_shard", slow_write)
+    asyn = _run(tmp_path, "async", "--parallel.dp=2", "--parallel.tp=2", "--checkpoint.every=2",
+                "--checkpoint.async_save=true")
+    assert [r["loss"] for r in asyn] == [r["loss"] for r in sync]
+    assert during and set(during) == {"meshtrain-checkpoint"}  # written off the training thread
+    root = tmp_path / "async" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000006"]
+    assert (root / "latest").read_text().strip() == "step-00000006" and not list(root.glob("*.tmp"))
+    resumed = _run(tmp_path, "resumed", "--parallel.dp=2", "--parallel.tp=2",
+                   f"--checkpoint.resume={root / 'step-00000002'}")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in sync[2:]]
