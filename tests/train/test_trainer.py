@@ -149,3 +149,17 @@ def test_async_save_overlaps_training_and_its_checkpoints_resume_bitwise(tmp_pat
     resumed = _run(tmp_path, "resumed", "--parallel.dp=2", "--parallel.tp=2",
                    f"--checkpoint.resume={root / 'step-00000002'}")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in sync[2:]]
+
+
+def test_restart_with_fewer_ranks_reshards_and_keeps_the_sample_order(tmp_path):
+    """A dp2 x tp2 run (4 ranks) that dies after its step-2 checkpoint is restarted on 2 ranks
+    (dp halved) in the same run directory: it reshards and goes on with the same global samples."""
+    import shutil
+
+    full = _run(tmp_path, "full", "--parallel.dp=2", "--parallel.tp=2", "--checkpoint.every=2", steps=4)
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000002", run / "checkpoints" / "step-00000002")
+    rows = _run(tmp_path, "run", "--parallel.dp=1", "--parallel.tp=2", "--checkpoint.resume=auto", steps=4)
+    assert [r["step"] for r in rows] == [3, 4]
+    assert [r["samples"] for r in rows] == [r["samples"] for r in full[2:]]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in full[2:]], rel=1e-5)
