@@ -12,6 +12,8 @@ import sys
 import uuid
 from typing import Any
 
+import torch
+
 from .. import comm
 from ..errors import CollectiveError, MeshtrainError
 from .config import Config, from_dict, resolve_out, to_dict, validate
@@ -63,6 +65,10 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict
     from .tokenizer import prepare_data
 
     prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
+    if config.train.device in ("cpu", "auto") and not torch.cuda.is_available():
+        from .metrics import device_peak
+
+        device_peak(torch.device("cpu"))  # measure the CPU peak while the machine is still quiet
     n = world_size(config)
     if config.comm.transport == "local":
         return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s)[0]

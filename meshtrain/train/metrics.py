@@ -50,7 +50,9 @@ def device_peak(device: torch.device) -> float:
             if key in name:
                 return peak
     cache = Path(os.environ.get("MESHTRAIN_CACHE_DIR", Path.home() / ".cache" / "meshtrain")) / "cpu_peak.json"
-    key = f"{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}"
+    # the host's peak (every core), whatever this process's thread count: the launcher gives each
+    # worker one thread, and the ranks of a host share its cores
+    key = f"{os.cpu_count()}-{torch.__version__}"
     cached = 0.0
     try:
         data = json.loads(cache.read_text())
@@ -58,7 +60,12 @@ def device_peak(device: torch.device) -> float:
             cached = float(data["flops"])
     except (OSError, ValueError, KeyError):
         pass
-    flops = measure_cpu_peak()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        flops = measure_cpu_peak()
+    finally:
+        torch.set_num_threads(threads)
     if flops <= cached:
         return cached
     try:
