@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from ..models.llama import PRESETS
 from .pipeline import COMPUTE
+from .report import write_json_atomic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,13 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _fail(msg: str) -> int:
     print(f"meshtrain bench pipeline: error: {msg}", file=sys.stderr)
     return 2
-
-
-def _atomic_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -72,10 +65,10 @@ def main(args: argparse.Namespace) -> int:
     if args.trace_dir:
         for r in records:
             path = os.path.join(args.trace_dir, f"pipeline-{r['schedule']}.json")
-            _atomic_json(path, r["trace"])
+            write_json_atomic(path, r["trace"])
             print(f"# wrote {path}")
     if args.json_path:
-        _atomic_json(args.json_path, {"config": vars(args), "records": [
+        write_json_atomic(args.json_path, {"config": vars(args), "records": [
             {k: v for k, v in r.items() if k != "trace"} for r in records]})
         print(f"# wrote {args.json_path}")
     return 0

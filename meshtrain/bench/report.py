@@ -59,13 +59,19 @@ def row(rec: dict[str, Any]) -> str:
             f"  {rec['busbw']:>6.2f}  {rec['wrong']:>5d}")
 
 
-def write_json(records: Iterable[dict[str, Any]], path: str, extra: dict[str, Any] | None = None) -> None:
-    """Write records (and run facts) as JSON, atomically."""
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to a temporary file beside ``path``, then rename it: a reader (or a
+    crash) never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"records": list(records), **(extra or {})}, f, indent=1)
+        json.dump(obj, f, indent=1)
     os.replace(tmp, path)
+
+
+def write_json(records: Iterable[dict[str, Any]], path: str, extra: dict[str, Any] | None = None) -> None:
+    """Write records (and run facts) as JSON, atomically."""
+    write_json_atomic(path, {"records": list(records), **(extra or {})})
 
 
 def plot_busbw(records: list[dict[str, Any]], path: str, title: str, memcpy_gbps: float | None = None) -> None:

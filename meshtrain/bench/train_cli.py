@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from ..models.llama import PRESETS
+from .report import write_json_atomic
 from .train import IMPLS, PEER
 
 
@@ -66,10 +66,8 @@ def main(args: argparse.Namespace) -> int:
                   algorithm=args.algorithm)
     print_table(records, args)
     if args.json_path:
-        tmp = args.json_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "func"}, "records": records}, f, indent=1)
-        os.replace(tmp, args.json_path)
+        write_json_atomic(args.json_path, {"config": {k: v for k, v in vars(args).items() if k != "func"},
+                                           "records": records})
         print(f"# wrote {args.json_path}")
     return 0
 

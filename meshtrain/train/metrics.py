@@ -3,6 +3,7 @@ the model-FLOPs utilisation (MFU) against the device's peak."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..bench.report import write_json_atomic
 from ..models.llama import LlamaConfig
 
 # dense bf16 peaks (FLOP/s) of GPUs people train on; CPUs are measured
@@ -54,12 +56,10 @@ def device_peak(device: torch.device) -> float:
     # worker one thread, and the ranks of a host share its cores
     key = f"{os.cpu_count()}-{torch.__version__}"
     cached = 0.0
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError):  # no cache, or an unreadable one
         data = json.loads(cache.read_text())
         if data.get("key") == key:
             cached = float(data["flops"])
-    except (OSError, ValueError, KeyError):
-        pass
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
@@ -68,13 +68,8 @@ def device_peak(device: torch.device) -> float:
         torch.set_num_threads(threads)
     if flops <= cached:
         return cached
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "flops": flops}))
-        os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next time
+    with contextlib.suppress(OSError):  # a read-only home only costs a re-measurement next time
+        write_json_atomic(str(cache), {"key": key, "flops": flops})
     return flops
 
 
