@@ -24,9 +24,10 @@ from typing import Any, Iterable
 
 from ..errors import ConfigError
 
+from ..parallel.parallelize import ParallelConfig
+
 if typing.TYPE_CHECKING:
     from ..models.llama import LlamaConfig
-    from ..parallel.parallelize import ParallelConfig
 
 try:
     import tomllib
@@ -63,8 +64,9 @@ class ModelSection:
 
 
 @dataclass
-class ParallelSection:
-    """The layout: degrees of the (dp, pp, cp, tp) mesh and the fields of ``ParallelConfig``."""
+class ParallelSection(ParallelConfig):
+    """The layout: the degrees of the (dp, pp, cp, tp) mesh, plus every field of ``ParallelConfig``
+    (inherited with its docs, so the two cannot drift apart)."""
 
     dp: int = 2
     """Data-parallel degree (replicas, or ZeRO shards)."""
@@ -74,22 +76,6 @@ class ParallelSection:
     """Pipeline-parallel degree (stages)."""
     cp: int = 1
     """Context-parallel degree (ring attention over sequence chunks)."""
-    sequence_parallel: bool = False
-    """Split the residual stream along the sequence over tp around the norms (needs tp > 1)."""
-    activation_checkpointing: str = "none"
-    """"none", "full" (every block recomputes its forward in backward) or "selective"."""
-    checkpoint_every: int = 2
-    """With "selective", checkpoint the blocks whose layer index is a multiple of this."""
-    zero_stage: int = 0
-    """0: data parallel (all-reduce in buckets); 1, 2, 3: ZeRO over the dp x cp group."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: "afab", "1f1b" or "interleaved"."""
-    microbatches: int = 1
-    """Micro-batches per step (per data-parallel rank); 1F1B needs at least pp."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
-    bucket_cap_mb: float = 25.0
-    """Data-parallel gradient bucket size in MB."""
 
     @property
     def world_size(self) -> int:
@@ -222,14 +208,17 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal under each field), by name."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """The attribute docstrings of a dataclass (the string literal under each field), by name,
+    including those of the dataclasses it inherits from."""
     docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
-                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
-            docs[a.target.id] = " ".join(b.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
+                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+                docs[a.target.id] = " ".join(b.value.value.split())
     return docs
 
 
@@ -353,7 +342,8 @@ def to_toml(config: Config, comments: bool = True) -> str:
         lines.append(f"{name} = {_toml_value(getattr(config, name))}")
     for name, cls in SECTIONS.items():
         lines += ["", f"[{name}]"]
-        for f in dataclasses.fields(cls):
+        # a section's own fields first (ParallelSection: the degrees, then ParallelConfig's)
+        for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in vars(cls).get("__annotations__", {})):
             v = getattr(getattr(config, name), f.name)
             if comments:
                 lines.append(f"# {field_docs(cls).get(f.name, '')}")
