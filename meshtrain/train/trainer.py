@@ -156,8 +156,9 @@ def check_same_config(config: Config) -> None:
     world, rank = comm.get_world_size(), comm.get_rank()
     if world == 1:
         return
-    flat = {f"{s}.{k}": v for s, sec in to_dict(config).items() if isinstance(sec, dict) for k, v in sec.items()}
-    flat.update({k: v for k, v in to_dict(config).items() if not isinstance(v, dict)})
+    d = to_dict(config)
+    flat = {f"{s}.{k}": v for s, sec in d.items() if isinstance(sec, dict) for k, v in sec.items()}
+    flat.update({k: v for k, v in d.items() if not isinstance(v, dict)})
     keys = sorted(flat)
     table = torch.zeros(world, len(keys), dtype=torch.float64)
     table[rank] = torch.tensor([_config_hash(flat[k]) for k in keys], dtype=torch.float64)
