@@ -37,7 +37,7 @@ __all__ = [
 
 
 def init(transport: str = "torch", backend: str | None = None, timeout: float = 300.0,
-         check: bool = True, node_size: int | None = None) -> Communicator:
+         check: bool = True, node_size: int | None = None, init_timeout: float | None = None) -> Communicator:
     """Initialise this process's communicator from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), or wrap torch.distributed's default group if it is initialised.
 
@@ -45,7 +45,8 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
     every rank on this host), or ``auto``: NCCL's group when the backend is nccl (CUDA tensors),
     else shm between ranks of a host and gloo between hosts (found through the store: hostname +
     boot id). ``backend`` is gloo or nccl (default: nccl if CUDA is available, else gloo);
-    ``timeout`` bounds every collective; ``check`` turns the cross-rank metadata check on or off.
+    ``timeout`` bounds every collective; ``init_timeout`` (default ``timeout``) bounds reaching the
+    store and the other ranks at start-up; ``check`` turns the cross-rank metadata check on or off.
     """
     if transport not in ("torch", "shm", "auto"):
         raise ValueError(f"unknown transport {transport!r}: use 'torch', 'shm' or 'auto' (threads: run_local)")
@@ -53,7 +54,8 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
 
     from .transport.torchdist import TorchTransport, init_torch_distributed
 
-    store, _ = init_torch_distributed(backend, timeout)
+    setup = timeout if init_timeout is None else init_timeout
+    store, _ = init_torch_distributed(backend, timeout, setup)
     if transport == "torch" or (transport == "auto" and dist.get_backend() == "nccl"):
         t: Any = TorchTransport(store)
     else:
@@ -61,7 +63,7 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
 
         remote = TorchTransport(store) if transport == "auto" else None
         t = ShmTransport.connect(dist.PrefixStore("meshtrain", store), dist.get_rank(),
-                                 dist.get_world_size(), timeout, remote=remote)
+                                 dist.get_world_size(), setup, remote=remote)
     hosts = getattr(t, "hosts", None)
     comm = Communicator(t, timeout=timeout, check=check, node_size=node_size, hosts=hosts)
     bind_process(comm)

@@ -362,6 +362,24 @@ def test_rendezvous_port_already_in_use(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_whose_master_port_is_held_by_another_program_fails_in_time():
+    """A non-zero rank whose MASTER_PORT answers but is not a store: torch's client would wait
+    forever in its handshake; comm.init gives up after init_timeout and names the address."""
+    with _free_listener() as s:
+        port = s.getsockname()[1]
+        env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        code = "from meshtrain import comm; comm.init(transport='torch', timeout=60, init_timeout=2)"
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
+        elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert f"127.0.0.1:{port}" in proc.stderr and "not a torch.distributed store" in proc.stderr, proc.stderr[-2000:]
+    assert "free one" in proc.stderr
+    assert elapsed < 30  # 2 s of init timeout + the interpreter's start, not the 60 s collective timeout
+
+
 @pytest.mark.parametrize("key, values", [("train.lr", ("0.002", "0.01")), ("train.seq_len", ("32", "16"))])
 def test_a_rank_started_with_another_config_is_named(tmp_path, key, values):
     """Two ranks, as two torchrun workers given different overrides: rank 1's differs."""

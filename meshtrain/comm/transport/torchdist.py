@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 from typing import Sequence
 
 import torch
@@ -126,10 +127,45 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def init_torch_distributed(backend: str | None, timeout: float) -> tuple[dist.Store, None]:
+def connect_store(host: str, port: int, world_size: int, is_master: bool, timeout: float,
+                  multi_tenant: bool = False) -> dist.TCPStore:
+    """torch's TCPStore (server on the master rank, client elsewhere), given up on after ``timeout``.
+
+    A client that reaches a program other than a store (something else holds MASTER_PORT) waits
+    in torch's handshake with no timeout of its own, so the store is built on a daemon thread and
+    abandoned, with an error naming the address, if it is not ready in time.
+    """
+    box: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, world_size, is_master=is_master,
+                                         timeout=datetime.timedelta(seconds=timeout), multi_tenant=multi_tenant)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=build, name="meshtrain-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout + 5.0)  # torch's own connect retries time out at ``timeout``; allow it to say so first
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    if "store" not in box:
+        rank = os.environ.get("RANK", "?")
+        raise CollectiveError(
+            f"rank {rank} could not reach the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
+            f"{timeout:g}s: something answers on that port but it is not a torch.distributed store. Another program "
+            f"probably holds the port: pick a free one (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
+            f"program that holds it")
+    return box["store"]  # type: ignore[return-value]
+
+
+def init_torch_distributed(backend: str | None, timeout: float,
+                           init_timeout: float | None = None) -> tuple[dist.Store, None]:
     """Initialise torch.distributed from torchrun's environment unless it already is.
 
-    Returns the default store. Uses torch's own TCPStore (``env://``); meshtrain has no store.
+    Returns the default store. Uses torch's own TCPStore; meshtrain has no store. ``init_timeout``
+    (default ``timeout``) bounds reaching the store and the other ranks; ``timeout`` is the
+    process group's, which bounds gloo's own collectives.
     """
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -141,20 +177,20 @@ def init_torch_distributed(backend: str | None, timeout: float) -> tuple[dist.St
             )
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        td = datetime.timedelta(seconds=timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # Under torchrun the agent hosts the store; otherwise rank 0 does (as env:// would).
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store: dist.Store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                          is_master=not agent_store and rank == 0,
+                                          timeout=timeout if init_timeout is None else init_timeout,
+                                          multi_tenant=not agent_store)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is None:
-            dist.init_process_group(backend, timeout=td)
-        else:
+        if restart is not None:
             # Under the elastic agent the store can outlive a failed attempt: gloo would read the
             # dead workers' addresses from it and fail to connect. Key everything by the attempt.
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=not agent_store and rank == 0, timeout=td,
-                                  multi_tenant=not agent_store)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"meshtrain/attempt_{restart}", store),
-                                    rank=rank, world_size=world, timeout=td)
+            store = dist.PrefixStore(f"meshtrain/attempt_{restart}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store(), None
