@@ -1,12 +1,18 @@
 """Shared test settings: hypothesis profiles, an isolated calibration cache, a per-test timeout
 (pytest-timeout, set in pyproject.toml)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 
-os.environ.setdefault("MESHTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="meshtrain-test-cache-"))
+if "MESHTRAIN_CACHE_DIR" not in os.environ:  # an isolated calibration cache, removed at exit
+    _cache = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
+    os.environ["MESHTRAIN_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)
 
 # CI runs derandomized so a red build is reproducible; locally HYPOTHESIS_PROFILE=dev explores more.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
@@ -14,3 +20,21 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _leftovers() -> tuple[set[str], set[str]]:
+    """Entries of /dev/shm and of the temp dir (pytest's own tmp_path root aside)."""
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    tmp = {n for n in os.listdir(tempfile.gettempdir()) if not n.startswith("pytest-of-")}
+    return shm, tmp
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    """Every test, the failure tests above all (killed ranks, timeouts, bad input), must leave
+    /dev/shm and the temp dir as it found them."""
+    shm0, tmp0 = _leftovers()
+    yield
+    shm1, tmp1 = _leftovers()
+    assert not shm1 - shm0, f"left in /dev/shm: {sorted(shm1 - shm0)}"
+    assert not tmp1 - tmp0, f"left in {tempfile.gettempdir()}: {sorted(tmp1 - tmp0)}"

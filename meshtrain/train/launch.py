@@ -6,11 +6,15 @@ same workers run through ``python -m meshtrain.train`` with the environment torc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
+import shutil
 import sys
+import tempfile
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -55,6 +59,43 @@ def _thread_rank(rank: int, config: Config, progress: bool) -> dict[str, Any]:
     return train(config, progress=progress and rank == 0)
 
 
+_SCRATCH = re.compile(r"meshtrain-run-(\d+)-")
+
+
+def remove_stale_scratch(root: str | None = None) -> list[str]:
+    """Remove the scratch directories of launchers that are gone (killed before they cleaned up)."""
+    from ..comm.transport.shm_memory import alive
+
+    root = root or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(root):
+        m = _SCRATCH.match(name)
+        if m and not alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+@contextlib.contextmanager
+def scratch_tmpdir() -> Iterator[str]:
+    """A private temp directory for one launch: the elastic agent's log directories and error
+    files and anything the workers put in TMPDIR land there, and it is removed when the launch
+    ends, however the workers ended (torch leaves both behind in /tmp after a failed worker)."""
+    remove_stale_scratch()
+    path = tempfile.mkdtemp(prefix=f"meshtrain-run-{os.getpid()}-")
+    old_env, old_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = path, path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = old_tempdir
+        if old_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old_env
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict[str, Any]:
     """Run ``config`` on this host; returns rank 0's summary. With ``max_restarts`` the elastic
     agent restarts failed workers, which resume from the run's latest checkpoint."""
@@ -74,10 +115,11 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict
         return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s)[0]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
-                      rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                      monitor_interval=0.5, rdzv_configs={"timeout": int(config.comm.init_timeout_s)})
-    results = elastic_launch(lc, worker)(to_dict(config), progress)
+    with scratch_tmpdir():  # before LaunchConfig, whose log settings make their directory at once
+        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                          monitor_interval=0.5, rdzv_configs={"timeout": int(config.comm.init_timeout_s)})
+        results = elastic_launch(lc, worker)(to_dict(config), progress)
     return results[0]
 
 

@@ -96,10 +96,10 @@ def test_mismatch_and_missing_rank_over_shm():
 
 
 @pytest.mark.timeout(90)
-def test_torchrun_four_ranks_auto_picks_shm():
+def test_torchrun_four_ranks_auto_picks_shm(tmp_path):
     before = set(shm_memory.list_segments())
-    proc = subprocess.run(
-        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", "4",
+    proc = subprocess.run(  # torchrun's own log directory would otherwise stay in /tmp
+        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "--log-dir", str(tmp_path / "logs"),
          str(ROOT / "tests" / "comm" / "_shm_torchrun_worker.py")],
         capture_output=True, text=True, timeout=80, cwd=ROOT,
     )

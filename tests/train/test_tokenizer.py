@@ -18,11 +18,9 @@ VOCAB = 400
 
 
 @pytest.fixture(scope="module")
-def small():
+def small(tmp_path_factory):
     """A ~200 KB slice of the built-in corpus and a BPE trained on it, in a private cache."""
-    import tempfile
-
-    cache = tempfile.mkdtemp(prefix="meshtrain-tok-")
+    cache = str(tmp_path_factory.mktemp("tok"))
     corpus = builtin_corpus(max_bytes=200_000)
     return corpus, cache, T.load_or_train_tokenizer("", corpus, VOCAB, sample_bytes=100_000, cache=cache)
 

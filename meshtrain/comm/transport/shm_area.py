@@ -61,18 +61,22 @@ class ShmArea:
         if gen is not None:
             self.publish(GEN, gen)
         segs: list[mem.Segment] = []
-        for k in range(len(self.ranks)):
-            if k == self.me:
-                segs.append(own)
-                continue
-            if gen is not None:
-                self.wait(k, GEN, gen, deadline, "a larger shared buffer")
-            seg = None
-            while seg is None:
-                seg = mem.Segment.open(self._name(k, suffix))
-                if seg is None:
-                    self._poll_peer(k, deadline)
-            segs.append(seg)
+        try:
+            for k in range(len(self.ranks)):
+                if k == self.me:
+                    segs.append(own)
+                    continue
+                if gen is not None:
+                    self.wait(k, GEN, gen, deadline, "a larger shared buffer")
+                seg = None
+                while seg is None:
+                    seg = mem.Segment.open(self._name(k, suffix))
+                    if seg is None:
+                        self._poll_peer(k, deadline)
+                segs.append(seg)
+        except BaseException:  # a peer that never came (timeout, death): my name must not outlive me
+            own.unlink()
+            raise
         return segs
 
     def _poll_peer(self, k: int, deadline: float) -> None:
