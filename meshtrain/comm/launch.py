@@ -11,12 +11,15 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import queue
+from multiprocessing import connection
 import time
 import traceback
 from typing import Any, Callable
 
 from ..errors import CollectiveError
+
+
+DEATH_GRACE_S = 5.0  # how long the other ranks may run on after one died, before they are killed
 
 
 class RankFailure(CollectiveError):
@@ -58,7 +61,7 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
                                 timeout=datetime.timedelta(seconds=comm_timeout))
         init(transport=transport, timeout=comm_timeout, check=check)
         out = fn(rank, *args)
-        results.put((rank, "ok", _pack(out)))
+        results.send((rank, "ok", _pack(out)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         try:
             payload: Any = exc
@@ -67,7 +70,7 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
             pickle.dumps(exc)
         except Exception:  # noqa: BLE001
             payload = None
-        results.put((rank, "err", (payload, traceback.format_exc())))
+        results.send((rank, "err", (payload, traceback.format_exc())))
     finally:
         try:
             import torch.distributed as dist
@@ -95,32 +98,40 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=comm_timeout))
-    results = ctx.Queue()
+    # One pipe per child, not a multiprocessing.Queue: a Queue's named semaphores sit in /dev/shm
+    # until the garbage collector finds the queue, which an exception's traceback can delay.
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, comm_timeout, check,
-                                              fn, args, results, transport), daemon=True,
+                                              fn, args, pipes[r][1], transport), daemon=True,
                           name=f"meshtrain-rank{r}")
              for r in range(world_size)]
     for p in procs:
         p.start()
+    for _, w in pipes:
+        w.close()  # the children hold the write ends; EOF on a read end means that child is gone
+    readers = {pipes[r][0]: r for r in range(world_size)}
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(out) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
-                if dead:
-                    time.sleep(0.5)  # let a dying rank's report arrive first
-                    if results.empty():
-                        r = dead[0]
-                        raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} "
-                                          f"before reporting a result") from None
-                    continue
+            ready = connection.wait(list(readers), timeout=0.2)
+            if not ready:
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in out]
                     raise RankFailure(f"ranks {missing} did not finish within {timeout:g}s") from None
                 continue
+            conn = ready[0]
+            try:
+                rank, status, value = conn.recv()
+            except EOFError:  # it exited without reporting
+                r = readers[conn]
+                procs[r].join(timeout=5)
+                grace = min(deadline, time.monotonic() + DEATH_GRACE_S)
+                for other in procs:  # the survivors get a moment to notice and report (or finish)
+                    other.join(timeout=max(grace - time.monotonic(), 0))
+                raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} "
+                                  f"before reporting a result") from None
+            del readers[conn]
             if status == "err":
                 exc, tb = value
                 if isinstance(exc, BaseException):
@@ -136,6 +147,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        results.close()
+        for r, _ in pipes:
+            r.close()
         del store
     return [out[r] for r in range(world_size)]

@@ -6,20 +6,30 @@ Any difference raises ``CollectiveMismatch`` on every rank at once, naming the r
 passed, instead of a hang or silent garbage. It costs one small all-gather per collective (through
 the store on the torch transport, a shared dict on the local one; see docs/comm.md), and can be
 turned off with ``init(check=False)``. The same exchange tells, on timeout, exactly which ranks
-never arrived.
+never arrived. Groups on one host's shared memory skip that round: a 64-bit fingerprint of the
+metadata travels with the first step of the shm collectives (or with one step of their protocol
+ahead of any other algorithm) and is compared there; the full metadata is exchanged only when the
+fingerprints differ, to name the ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any, Callable
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
+from .algorithms import shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group
-from .transport.base import PeerTimeout
+from .transport.base import FingerprintMismatch, PeerTimeout
 from .work import Work
+
+
+def fingerprint(payload: str) -> int:
+    """A call's metadata as a signed 64-bit number, equal on every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(payload.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def collective_tag(gid: int) -> int:
@@ -88,13 +98,32 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
                                    meta.get("shapes", []), str(meta.get("dtype")), nbytes)
         deadline = time.monotonic() + g.timeout
         ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), deadline, g.pool, g.hosts)
+        checked = (comm.check or force_exchange) and g.size > 1
+        # A group in one host's shared memory checks a fingerprint in the step where its members
+        # meet anyway: the shm collectives' first step, or one step of that protocol before others.
+        fused = checked and not force_exchange and pairwise is None and shm_direct.usable(ctx)
         try:
-            if (comm.check or force_exchange) and g.size > 1:
+            if checked:
                 payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
+                if fused:
+                    ctx.fingerprint = fingerprint(payload)
+                else:
+                    payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+                    _compare(name, seq, g, payloads)
+            try:
+                if fused and meta.get("algorithm") != "shm":
+                    shm_direct.check_only(ctx)
+                result = body(ctx)
+            except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
                 payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
                 _compare(name, seq, g, payloads)
-            result = body(ctx)
+                raise CollectiveMismatch(f"{name} #{seq} on group {g.gid}: the ranks' metadata fingerprints "
+                                         f"differ but their metadata does not (a bug; please report it)") from None
+            if fused and ctx.fingerprint is not None:
+                raise RuntimeError(f"bug: {name} on shared memory never checked the call's fingerprint")
         except PeerTimeout as exc:
+            if fused and ctx.fingerprint is not None:  # timed out before everyone had arrived
+                exc = PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing)
             err = _timeout_error(name, seq, g, exc)
             comm.monitor.end(entry, ctx.sent_bytes, err)
             raise err from None

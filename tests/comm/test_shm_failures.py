@@ -95,6 +95,46 @@ def test_mismatch_and_missing_rank_over_shm():
         assert "rank(s) [2] never called it" in r["timeout"] and r["seconds"] < 5
 
 
+def _mismatches_in_the_first_step(rank: int) -> dict:
+    """Calls that differ only where the fingerprint travels with the shm step: an empty call
+    against a full one, shm against ring, auto picking ring on one rank and shm on the other."""
+    import meshtrain.comm as mc
+
+    cases = {
+        "empty": lambda: mc.all_reduce(torch.ones(0 if rank == 0 else 4), algorithm="shm"),
+        "algorithms": lambda: mc.all_reduce(torch.ones(4), algorithm="shm" if rank == 0 else "ring"),
+        "auto-sizes": lambda: mc.reduce_scatter_tensor(torch.empty(16 if rank == 0 else 1 << 18),
+                                                       torch.ones(32 if rank == 0 else 1 << 19)),
+        "ops": lambda: (mc.broadcast(torch.ones(8), src=0, algorithm="shm") if rank == 0
+                        else mc.all_gather_into_tensor(torch.empty(16), torch.ones(8), algorithm="shm")),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            out[name] = "no error"
+        except CollectiveMismatch as exc:
+            out[name] = str(exc)
+        out[name + "_s"] = time.monotonic() - t0
+    x = torch.full((300_000,), float(rank + 1))  # the group still works, chunked and all
+    mc.all_reduce(x, algorithm="shm")
+    out["after"] = float(x[0]), float(x[-1])
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_mismatch_is_named_from_the_shm_steps_fingerprint_and_the_group_goes_on():
+    res = spawn(2, _mismatches_in_the_first_step, timeout=50, comm_timeout=20, transport="shm")
+    for r in res:
+        assert "shapes=[[0]]" in r["empty"] and "shapes=[[4]]" in r["empty"], r["empty"]
+        assert "algorithm=shm" in r["algorithms"] and "algorithm=ring" in r["algorithms"], r["algorithms"]
+        assert "shapes=[[16]]" in r["auto-sizes"] and "shapes=[[262144]]" in r["auto-sizes"], r["auto-sizes"]
+        assert "broadcast" in r["ops"] and "all_gather_into_tensor" in r["ops"], r["ops"]
+        assert all(r[k + "_s"] < 5 for k in ("empty", "algorithms", "auto-sizes", "ops"))  # not the 20 s timeout
+        assert r["after"] == (3.0, 3.0)
+
+
 @pytest.mark.timeout(90)
 def test_torchrun_four_ranks_auto_picks_shm(tmp_path):
     before = set(shm_memory.list_segments())

@@ -58,6 +58,9 @@ class Ctx:
         self.pool = pool
         self.hosts = list(hosts) if hosts is not None else ["localhost"] * self.size
         self._counter = counter if counter is not None else [0]
+        # The call's metadata fingerprint, when the algorithm checks it itself in its first
+        # synchronisation (the shm collectives); the algorithm sets it to None once checked.
+        self.fingerprint: int | None = None
 
     @property
     def sent_bytes(self) -> int:

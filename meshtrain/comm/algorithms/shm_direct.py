@@ -23,6 +23,7 @@ import os
 import torch
 
 from ..types import ReduceOp, combine_
+from ..transport.base import FingerprintMismatch
 from .base import Ctx, even_bounds
 
 CHUNK_BYTES = int(os.environ.get("MESHTRAIN_SHM_CHUNK_BYTES", str(1 << 20)))
@@ -47,6 +48,32 @@ def _area(ctx: Ctx, half_bytes: int):
     return area
 
 
+def _arrive(ctx: Ctx, area, c: int, what: str) -> None:
+    """Announce step 2c+1 (my input is in my buffer) and wait for every member's. In a call's
+    first chunk the call's metadata fingerprint travels with the step and is compared here: the
+    metadata check without a synchronisation of its own. On a mismatch every member sees it (one
+    differing fingerprint differs from everyone's), finishes the chunk and raises."""
+    fp = ctx.fingerprint
+    area.announce(2 * c + 1, fp)
+    area.wait_all(2 * c + 1, ctx.deadline, what)
+    if fp is not None:
+        ctx.fingerprint = None
+        if not area.agree(2 * c + 1, fp):
+            area.announce(2 * c + 2)
+            raise FingerprintMismatch()
+
+
+def check_only(ctx: Ctx) -> None:
+    """Meet the group in one step that only checks the call's fingerprint: for an empty call, and
+    ahead of a non-shm algorithm on a shm group (so every call on the group meets at the same
+    kind of step, and a mismatched pair of calls is named rather than left to time out)."""
+    if ctx.fingerprint is not None and ctx.size > 1:
+        area = _area(ctx, 1)
+        c, _ = area.begin(ctx.deadline)
+        _arrive(ctx, area, c, "the metadata check")
+        area.announce(2 * c + 2)
+
+
 def _per_chunk(es: int, blocks: int = 1) -> int:
     """Elements per block in one chunk (a chunk holds ``blocks`` such blocks)."""
     return max(CHUNK_BYTES // (es * blocks), 1)
@@ -57,13 +84,12 @@ def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
     (p-1)/p·n reduced, n/p published, (p-1)/p·n copied out; two steps per chunk."""
     p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
     if p == 1 or n == 0:
-        return
+        return check_only(ctx)
     if n * es <= SMALL_BYTES:
         area = _area(ctx, n * es)
         c, half = area.begin(ctx.deadline)
         area.view(r, half, 0, n, buf.dtype).copy_(buf)
-        area.announce(2 * c + 1)
-        area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+        _arrive(ctx, area, c, "inputs")
         views = [area.view(k, half, 0, n, buf.dtype) for k in range(p)]
         if op is ReduceOp.SUM or op is ReduceOp.AVG:
             torch.add(views[0], views[1], out=buf)
@@ -87,8 +113,7 @@ def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
         for i in range(p):
             if i != r:
                 shared(r, i).copy_(x[b[i] : b[i + 1]])
-        area.announce(2 * c + 1)
-        area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+        _arrive(ctx, area, c, "inputs")
         mine = x[b[r] : b[r + 1]]
         for d in range(1, p):  # staggered, so the ranks do not all read one buffer at once
             combine_(mine, shared((r + d) % p, r), op)
@@ -105,7 +130,7 @@ def _scatter_reduce(ctx: Ctx, srcs: list[torch.Tensor], dst: torch.Tensor, op: R
     blocks peers need, reduce mine straight out of their buffers (``dst`` may be ``srcs[r]``)."""
     p, r, nb, es, dt = ctx.size, ctx.rank, dst.numel(), dst.element_size(), dst.dtype
     if p == 1 or nb == 0:
-        return
+        return check_only(ctx)
     per = _per_chunk(es, p)
     area = _area(ctx, min(nb, per) * p * es)
     for s in range(0, nb, per):
@@ -114,8 +139,7 @@ def _scatter_reduce(ctx: Ctx, srcs: list[torch.Tensor], dst: torch.Tensor, op: R
         for i in range(p):
             if i != r:
                 area.view(r, half, i * m * es, m, dt).copy_(srcs[i][s : s + m])
-        area.announce(2 * c + 1)
-        area.wait_all(2 * c + 1, ctx.deadline, "inputs")
+        _arrive(ctx, area, c, "inputs")
         mine = dst[s : s + m]
         if mine.data_ptr() != srcs[r][s : s + m].data_ptr():
             mine.copy_(srcs[r][s : s + m])
@@ -146,15 +170,14 @@ def _gather_blocks(ctx: Ctx, src: torch.Tensor, dsts: list[torch.Tensor]) -> Non
     """Publish flat ``src`` chunk by chunk; copy every peer k's chunk into flat ``dsts[k]``."""
     p, r, nb, es = ctx.size, ctx.rank, src.numel(), src.element_size()
     if p == 1 or nb == 0:
-        return
+        return check_only(ctx)
     per = _per_chunk(es)
     area = _area(ctx, min(nb, per) * es)
     for s in range(0, nb, per):
         m = min(per, nb - s)
         c, half = area.begin(ctx.deadline)
         area.view(r, half, 0, m, src.dtype).copy_(src[s : s + m])
-        area.announce(2 * c + 1)
-        area.wait_all(2 * c + 1, ctx.deadline, "blocks")
+        _arrive(ctx, area, c, "blocks")
         for d in range(1, p):
             k = (r + d) % p
             dsts[k][s : s + m].copy_(area.view(k, half, 0, m, src.dtype))
@@ -190,7 +213,7 @@ def _rooted(ctx: Ctx, buf: torch.Tensor, publish: bool, read_from: list[int], co
     then wait for the members ``read_from`` and ``consume(chunk, area, half)``."""
     p, n, es = ctx.size, buf.numel(), buf.element_size()
     if p == 1 or n == 0:
-        return
+        return check_only(ctx)
     per = _per_chunk(es)
     area = _area(ctx, min(n, per) * es)
     for s in range(0, n, per):
@@ -198,9 +221,12 @@ def _rooted(ctx: Ctx, buf: torch.Tensor, publish: bool, read_from: list[int], co
         c, half = area.begin(ctx.deadline)
         if publish:
             area.view(ctx.rank, half, 0, x.numel(), buf.dtype).copy_(x)
-        area.announce(2 * c + 1)
-        for k in read_from:
-            area.wait(k, 0, 2 * c + 1, ctx.deadline, "published data")
+        if ctx.fingerprint is not None:  # the first chunk of a checked call: everyone meets
+            _arrive(ctx, area, c, "published data")
+        else:
+            area.announce(2 * c + 1)
+            for k in read_from:
+                area.wait(k, 0, 2 * c + 1, ctx.deadline, "published data")
         if read_from:
             consume(x, area, half)
         area.announce(2 * c + 2)

@@ -19,6 +19,11 @@ class PeerTimeout(CollectiveTimeout):
         self.missing = list(missing)
 
 
+class FingerprintMismatch(Exception):
+    """The members' fingerprints of one call differ (raised on every member; the runner then
+    exchanges the full metadata to name the ranks and what each passed)."""
+
+
 class Transport(abc.ABC):
     """Moves tensors between the ranks of one world.
 

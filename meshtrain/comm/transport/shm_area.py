@@ -27,7 +27,7 @@ from .base import PeerTimeout
 if TYPE_CHECKING:
     from .shm import ShmTransport
 
-STEP, GEN, OPENED, EXCH, WAITING = 0, 8, 16, 24, 32  # int64 indices, a cache line apart
+STEP, GEN, OPENED, EXCH, WAITING, FPRINT = 0, 8, 16, 24, 32, 40  # int64 indices, a cache line apart
 BOARD_AT, BOARD_BYTES = 4096, 8192  # two halves after the counters: the exchange board
 CTRL_BYTES = BOARD_AT + 2 * BOARD_BYTES
 
@@ -45,7 +45,7 @@ class ShmArea:
         self._data: list[mem.Segment | None] = [None] * len(ranks)
         self._views: dict[tuple, torch.Tensor] = {}
         self._ctrl_segs = self._map_all("c", CTRL_BYTES, deadline, None)
-        self.ctrl = [s.i64(0, WAITING + 1) for s in self._ctrl_segs]
+        self.ctrl = [s.i64(0, FPRINT + 2) for s in self._ctrl_segs]
         self._addr = [c.ctypes.data for c in self.ctrl]
         self.exchanges = 0
         self._all_opened(1, deadline)
@@ -95,11 +95,13 @@ class ShmArea:
             self._pending.unlink()
 
     def reserve(self, half_bytes: int, cap: int, deadline: float) -> None:
-        """Make each half at least ``half_bytes`` (collective: all members pass the same value);
-        grows by at least 2x up to ``cap``, so a run of growing messages remaps only a few times."""
+        """Make each half at least ``half_bytes`` (collective). The first call takes ``cap`` (the
+        largest chunk any collective uses), so no later call grows the buffers: growing is a step
+        every member must take, and members of a mismatched call could disagree on it (a hang
+        until the timeout instead of the metadata check's clear error)."""
         if half_bytes <= self.half:
             return
-        new = _round_up(max(half_bytes, min(2 * self.half, cap)), 4096)
+        new = _round_up(max(half_bytes, cap), 4096)
         self.gen += 1
         self._data = list(self._map_all(f"d{self.gen}", 2 * new, deadline, self.gen))
         self._views.clear()
@@ -126,9 +128,20 @@ class ShmArea:
             self.wait_all(2 * c - 1, deadline, "its peers to finish reading")
         return c, c % 2
 
-    def announce(self, step: int) -> None:
-        """Tell the peers I have reached ``step``."""
+    def announce(self, step: int, fingerprint: int | None = None) -> None:
+        """Tell the peers I have reached ``step``; with ``fingerprint``, the call's metadata
+        fingerprint goes with it (into slot ``step // 2 % 2``: a peer overwrites that slot only two
+        chunks later, after I announced the next step, so it is still there when I read it)."""
+        if fingerprint is not None:
+            self.ctrl[self.me][FPRINT + step // 2 % 2] = fingerprint
+            mem.fence()  # visible before the step that announces it
         self.publish(STEP, step)
+
+    def agree(self, step: int, fingerprint: int) -> bool:
+        """After waiting for every member's ``step``: True if all announced ``fingerprint`` with it."""
+        mem.fence()
+        slot = FPRINT + step // 2 % 2
+        return all(int(self.ctrl[k][slot]) == fingerprint for k in self.others)
 
     def publish(self, index: int, value: int) -> None:
         """Set my counter ``index`` and wake the peers asleep on it. The fence makes the store
