@@ -177,6 +177,44 @@ def memcpy_gbps(nbytes: int = 16 << 20, reps: int = 20) -> float:
         torch.set_num_threads(prev)
 
 
+def _floor_worker(nbytes: int, reps: int, start: Any, out: Any) -> None:
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start.wait()  # every process copies at the same time, as the ranks of a collective do
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    out.send((time.perf_counter() - t0) / reps)
+    out.close()
+
+
+def copy_floor_us(world: int, nbytes: int, reps: int = 30) -> float:
+    """Microseconds for ``world`` processes, all at once, each to copy ``nbytes`` from one private
+    tensor to another. Every rank of an all-reduce, all-gather or reduce-scatter must at least read
+    its input and write its output, so no such collective on this host can be faster: the floor
+    the shm collectives are measured against (busbw per memcpy says the same for one core)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(world)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_floor_worker, args=(nbytes, reps, start, w), daemon=True) for _, w in pipes]
+    for proc in procs:
+        proc.start()
+    try:
+        return max(r.recv() for r, _ in pipes) * 1e6
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        for r, w in pipes:
+            r.close()
+            w.close()
+
+
 def run_transport(transport: str, world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Spawn ``world`` ranks on ``transport``: threads for local, processes over gloo for torch,
     processes over shared memory for shm."""

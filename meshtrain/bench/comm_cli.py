@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="turn off meshtrain's cross-rank metadata check (shows its cost; native never has it)")
     p.add_argument("--calibrate", action="store_true", help="fit and print the alpha-beta-gamma model and crossovers")
+    p.add_argument("--floor", action="store_true",
+                   help="also time WORLD processes each copying SIZE at once: no collective on this host can beat it")
     p.add_argument("--json", dest="json_path", help="write one record per transport/op/algorithm/world/size")
     p.add_argument("--plot", dest="plot_path", help="write a PNG of busbw against size")
 
@@ -88,6 +90,8 @@ def main(args: argparse.Namespace) -> int:
                 print()
             records += out["records"]
     _print_ratios(records)
+    if args.floor:
+        _print_floor(records, worlds, sizes)
     wrong = sum(r["wrong"] for r in records)
     print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if args.json_path:
@@ -97,6 +101,23 @@ def main(args: argparse.Namespace) -> int:
         report.plot_busbw(records, args.plot_path, f"{args.op} busbw ({args.dtype})", mem)
         print(f"# wrote {args.plot_path}")
     return 1 if wrong else 0
+
+
+def _print_floor(records: list[dict[str, Any]], worlds: list[int], sizes: list[int]) -> None:
+    """The copy floor per world size and size (>= 1 MB), and every algorithm's time against it."""
+    from .comm import copy_floor_us
+
+    print("# floor: WORLD processes each copying SIZE (private to private) at once; time / floor >= 1")
+    for world in worlds:
+        for size in [s for s in sizes if s >= 1 << 20]:
+            floor = copy_floor_us(world, size)
+            cells = [f"{r['transport']}:{r['algorithm']} {r['time_us'] / floor:.2f}" for r in records
+                     if r["world_size"] == world and r["size"] == size]
+            for r in records:
+                if r["world_size"] == world and r["size"] == size:
+                    r["floor_us"] = floor
+            print(f"  world {world} {report_size(size):>5}: floor {floor:9.0f} us   " + "   ".join(cells))
+    print()
 
 
 def _print_calibration(tr: str, world: int, cal: dict[str, Any]) -> None:
