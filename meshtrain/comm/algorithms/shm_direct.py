@@ -166,8 +166,9 @@ def reduce_scatter_lists(ctx: Ctx, ins: list[torch.Tensor], out: torch.Tensor, o
     return True
 
 
-def _gather_blocks(ctx: Ctx, src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
-    """Publish flat ``src`` chunk by chunk; copy every peer k's chunk into flat ``dsts[k]``."""
+def _gather_blocks(ctx: Ctx, src: torch.Tensor, dsts: list[torch.Tensor], own: bool = False) -> None:
+    """Publish flat ``src`` chunk by chunk; copy every peer k's chunk into flat ``dsts[k]`` (and,
+    with ``own``, my chunk into ``dsts[rank]`` while it is still in cache)."""
     p, r, nb, es = ctx.size, ctx.rank, src.numel(), src.element_size()
     if p == 1 or nb == 0:
         return check_only(ctx)
@@ -177,6 +178,8 @@ def _gather_blocks(ctx: Ctx, src: torch.Tensor, dsts: list[torch.Tensor]) -> Non
         m = min(per, nb - s)
         c, half = area.begin(ctx.deadline)
         area.view(r, half, 0, m, src.dtype).copy_(src[s : s + m])
+        if own:  # before the wait: it overlaps the peers' publishing
+            dsts[r][s : s + m].copy_(src[s : s + m])
         _arrive(ctx, area, c, "blocks")
         for d in range(1, p):
             k = (r + d) % p
@@ -197,8 +200,9 @@ def all_gather_lists(ctx: Ctx, inp: torch.Tensor, outs: list[torch.Tensor]) -> N
     src = inp.reshape(-1)
     if all(o.is_contiguous() for o in outs):
         flat = [o.view(-1) for o in outs]
-        _gather_blocks(ctx, src, flat)
-        flat[ctx.rank].copy_(src)
+        _gather_blocks(ctx, src, flat, own=ctx.size > 1 and flat[ctx.rank].data_ptr() != src.data_ptr())
+        if ctx.size == 1:
+            flat[0].copy_(src)
         return
     n = src.numel()  # some output is strided: gather into a staging buffer, then copy
     buf = ctx.scratch("all_gather_out", n * ctx.size, src.dtype)
