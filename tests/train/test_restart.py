@@ -17,7 +17,9 @@ import pytest
 
 from meshtrain.cli import main
 
-ARGS = ["--train.steps=8", "--checkpoint.every=2", "--model.preset=test", "--data.max_bytes=300000",
+# 16 steps: the kill comes after step 4, and the run must still be training when it lands (a kill
+# after the last checkpoint would restart with nothing to replay)
+ARGS = ["--train.steps=16", "--checkpoint.every=2", "--model.preset=test", "--data.max_bytes=300000",
         "--data.vocab_size=512", "--train.global_batch=4", "--train.seq_len=32", "--train.warmup_steps=2",
         "--no-progress", "--parallel.dp=2", "--parallel.tp=2"]
 
@@ -29,6 +31,17 @@ def _rows(path: Path) -> list[dict]:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]
+
+
+def _workers(pid: int) -> list[int]:
+    """The launcher's worker processes: its children, less multiprocessing's resource tracker."""
+    def cmdline(p: int) -> str:
+        try:
+            return Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+
+    return [p for p in _children(pid) if "resource_tracker" not in cmdline(p)]
 
 
 @pytest.mark.timeout(400)
@@ -44,8 +57,7 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
     victim, deadline = None, time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         if victim is None and len(_rows(out / "metrics.jsonl")) >= 5:  # after step 4's checkpoint
-            workers = [p for p in _children(proc.pid) if _children(p) == []] or _children(proc.pid)
-            victim = workers[-1]
+            victim = _workers(proc.pid)[-1]
             os.kill(victim, signal.SIGKILL)
         time.sleep(0.05)
     log = proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
@@ -54,13 +66,13 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
 
     rows = _rows(out / "metrics.jsonl")
     steps = [r["step"] for r in rows]
-    assert len(steps) > 8 and steps[-1] == 8  # some steps ran twice: before the kill and after
+    assert len(steps) > 16 and steps[-1] == 16  # some steps ran twice: before the kill and after
     last: dict[int, dict] = {}
     for r in rows:
         if r["step"] in last:  # a replayed step repeats its first run bit for bit
             assert r["loss"] == last[r["step"]]["loss"] and r["samples"] == last[r["step"]]["samples"]
         last[r["step"]] = r
-    assert sorted(last) == list(range(1, 9))
+    assert sorted(last) == list(range(1, 17))
     seen = [s for step in sorted(last) for s in last[step]["samples"]]
     assert seen == [s for r in want for s in r["samples"]] and len(set(seen)) == len(seen)
     for step, r in last.items():  # processes (shm) vs threads: the same sums in another order
