@@ -25,6 +25,8 @@ from meshtrain.train import checkpoint_io
 from meshtrain.train.config import load_config
 from meshtrain.train.trainer import TrainingDiverged, train
 
+from .._malicious import evil_pickle
+
 SMALL = ["--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512", "--train.global_batch=4",
          "--train.seq_len=32", "--train.warmup_steps=2", "--no-progress", "--comm.transport=local"]
 ONE = ["--parallel.dp=1", "--parallel.tp=1"]
@@ -401,26 +403,15 @@ def test_same_config_on_every_rank_passes_the_check(tmp_path):
     assert comm.run_local(2, lambda rank: check_same_config(config), timeout=30) == [None, None]
 
 
-class _Evil:
-    """Unpickling this creates a directory: the proof that a pickle was loaded."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
-
-
 def test_a_planted_pickle_is_never_loaded(saved, tmp_path, capsys):
     """Metadata redirected to a pickle file: refused by name; pickles beside the shards: ignored."""
     import json
-    import pickle
 
     root = _copy(saved, tmp_path)
     step = root / "step-00000002"
     marker = tmp_path / "pwned"
     for name in ("model.pt", "rank-00000.pt"):
-        (step / name).write_bytes(pickle.dumps(_Evil(str(marker))))
+        (step / name).write_bytes(evil_pickle(str(marker)))
     meta = json.loads((step / "metadata.json").read_text())
     meta["entries"][0]["file"] = "rank-00000.pt"
     (step / "metadata.json").write_text(json.dumps(meta))

@@ -27,6 +27,7 @@ from meshtrain.parallel.parallel_model import ParallelModel
 from meshtrain.parallel.parallelize import ParallelConfig
 from meshtrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
+from .._malicious import evil_pickle
 from ..parallel._parity import CFG, LR, batches
 
 K, MORE = 2, 2  # steps before the save, steps after it
@@ -277,22 +278,12 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
 # -- (4) malicious input ---------------------------------------------------------------------------
 
 
-class _Evil:
-    """Unpickling this creates a directory: the proof that a pickle was loaded."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
-
-
 def test_planted_pickles_are_never_loaded(root, tmp_path, monkeypatch):
     marker = str(tmp_path / "pwned")
     step = os.path.join(root, "step-00000002")
     for name in ("model.pt", "optimizer.pt", "rank-00000.pt", "extra.pkl"):
         with open(os.path.join(step, name), "wb") as f:
-            pickle.dump(_Evil(marker), f)
+            f.write(evil_pickle(marker))
 
     def refuse(*a, **k):
         raise AssertionError("the checkpoint loader must not unpickle")
