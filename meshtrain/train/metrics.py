@@ -41,11 +41,13 @@ def measure_cpu_peak(n: int = 1024, repeats: int = 20) -> float:
     return 2.0 * n**3 / best
 
 
-def device_peak(device: torch.device) -> float:
+def device_peak(device: torch.device, refresh: bool = True) -> float:
     """Peak FLOP/s of one device: a GPU's datasheet bf16 figure, or for the CPU a matmul
     microbenchmark cached in MESHTRAIN_CACHE_DIR or ~/.cache/meshtrain. The cache keeps the
     highest figure seen, because a measurement taken while the machine was busy reads low
-    (and would inflate MFU); each run measures again (about 0.3 s) and raises it if it can."""
+    (and would inflate MFU). With ``refresh`` it measures again (about 0.3 s) and raises the
+    cached figure if it can; without, a cached figure is used as it is (the workers: the launcher
+    has just measured, and workers measuring at once would only compete for the cores)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peak in GPU_PEAK.items():
@@ -60,6 +62,8 @@ def device_peak(device: torch.device) -> float:
         data = json.loads(cache.read_text())
         if data.get("key") == key:
             cached = float(data["flops"])
+    if cached and not refresh:
+        return cached
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:

@@ -72,7 +72,8 @@ def train(config: Config, progress: bool = True) -> dict[str, Any]:
     n_matmul = n_params - (0 if cfg.tie_embeddings else full.tok_emb.weight.numel())
     tokens_per_step = t.global_batch * t.seq_len
     flops_step = flops_per_token(cfg, n_matmul, t.seq_len) * tokens_per_step
-    peak = device_peak(device) * (mesh.world_size if device.type == "cuda" else 1)  # CPU ranks share a host
+    # CPU ranks share a host; its peak was measured by the launcher (under torchrun: the first run)
+    peak = device_peak(device, refresh=False) * (mesh.world_size if device.type == "cuda" else 1)
 
     rank0 = comm.get_rank() == 0
     run_dir = Path(config.out)
