@@ -222,6 +222,12 @@ def _commit(root: str, tmp: str, final: str, step: int, model: ParallelModel, ha
         if has_optimizer else None,
         "extra": extra,
     }
+    commit_step_dir(root, tmp, final, meta, keep)
+
+
+def commit_step_dir(root: str, tmp: str, final: str, meta: dict[str, Any], keep: int) -> None:
+    """Commit the written shards in ``tmp`` as ``final``: metadata.json (the commit marker, last),
+    rename, point ``latest`` at it, keep the newest ``keep`` checkpoints, drop crashed saves' temp dirs."""
     write_durable(os.path.join(tmp, METADATA), json.dumps(meta, indent=1).encode())
     fsync_dir(tmp)
     old = final + ".replaced"

@@ -28,9 +28,9 @@ from safetensors.torch import save as st_save
 
 from ..errors import CheckpointError, ConfigError
 from ..models.llama import Llama, LlamaConfig
-from .checkpoint import _resolve, latest_checkpoint
-from .checkpoint_io import (FORMAT, LATEST, METADATA, VERSION, CheckpointReader, fsync_dir, merge_sidecars,
-                            replace_durable, step_dir_name, to_json, write_durable, write_rank_shard)
+from .checkpoint import _resolve, commit_step_dir, latest_checkpoint
+from .checkpoint_io import (FORMAT, VERSION, CheckpointReader, fsync_dir, merge_sidecars, step_dir_name, to_json,
+                            write_durable, write_rank_shard)
 from .config import Config, from_dict, model_config, to_dict
 
 __all__ = ["to_hf_permute", "from_hf_permute", "hf_config", "to_hf_state", "from_hf_state", "read_checkpoint",
@@ -349,11 +349,7 @@ def write_init_checkpoint(root: str | Path, tensors: dict[str, torch.Tensor], co
                 # the run's configured ones apply
                 "optimizer": {"param_groups": [], "scalars": {}, "has_state": False},
                 "extra": to_json({**extra, "config": to_dict(config)})}
-        write_durable(os.path.join(tmp, METADATA), json.dumps(meta, indent=1).encode())
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        replace_durable(os.path.join(root, LATEST), (os.path.basename(final) + "\n").encode())
+        commit_step_dir(root, tmp, final, meta, keep=1)  # a new run's first and only checkpoint
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
