@@ -111,11 +111,11 @@ def _print_floor(records: list[dict[str, Any]], worlds: list[int], sizes: list[i
     for world in worlds:
         for size in [s for s in sizes if s >= 1 << 20]:
             floor = copy_floor_us(world, size)
-            cells = [f"{r['transport']}:{r['algorithm']} {r['time_us'] / floor:.2f}" for r in records
-                     if r["world_size"] == world and r["size"] == size]
+            cells = []
             for r in records:
                 if r["world_size"] == world and r["size"] == size:
                     r["floor_us"] = floor
+                    cells.append(f"{r['transport']}:{r['algorithm']} {r['time_us'] / floor:.2f}")
             print(f"  world {world} {report_size(size):>5}: floor {floor:9.0f} us   " + "   ".join(cells))
     print()
 

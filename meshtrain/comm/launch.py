@@ -11,9 +11,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-from multiprocessing import connection
 import time
 import traceback
+from multiprocessing import connection
 from typing import Any, Callable
 
 from ..errors import CollectiveError

@@ -171,6 +171,8 @@ def _gather_blocks(ctx: Ctx, src: torch.Tensor, dsts: list[torch.Tensor], own: b
     with ``own``, my chunk into ``dsts[rank]`` while it is still in cache)."""
     p, r, nb, es = ctx.size, ctx.rank, src.numel(), src.element_size()
     if p == 1 or nb == 0:
+        if own:
+            dsts[r].copy_(src)
         return check_only(ctx)
     per = _per_chunk(es)
     area = _area(ctx, min(nb, per) * es)
@@ -200,9 +202,7 @@ def all_gather_lists(ctx: Ctx, inp: torch.Tensor, outs: list[torch.Tensor]) -> N
     src = inp.reshape(-1)
     if all(o.is_contiguous() for o in outs):
         flat = [o.view(-1) for o in outs]
-        _gather_blocks(ctx, src, flat, own=ctx.size > 1 and flat[ctx.rank].data_ptr() != src.data_ptr())
-        if ctx.size == 1:
-            flat[0].copy_(src)
+        _gather_blocks(ctx, src, flat, own=flat[ctx.rank].data_ptr() != src.data_ptr())
         return
     n = src.numel()  # some output is strided: gather into a staging buffer, then copy
     buf = ctx.scratch("all_gather_out", n * ctx.size, src.dtype)
