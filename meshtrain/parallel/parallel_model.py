@@ -157,8 +157,8 @@ class ParallelOptimizer:
         mesh = self.model.mesh
         sq = torch.zeros((), dtype=torch.float64)
         pieces = self._grad_pieces()
-        for g, w in pieces:
-            sq += g.double().pow(2).sum() * w
+        for g, w in pieces:  # accumulated in float64 without a float64 copy of the gradient
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64).square() * w
         groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_cp] if self.model.config.zero_stage else [])
         for group in groups:
             if group.size > 1:
