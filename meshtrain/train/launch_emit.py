@@ -225,58 +225,25 @@ def emit_k8s(job: Job) -> str:
     return "\n".join(head + to_yaml(configmap) + ["---"] + to_yaml(pytorchjob)) + "\n"
 
 
-# ------------------------------------------------------------------------------- a small YAML writer
+# ------------------------------------------------------------------------------------------------ YAML
 
-_PLAIN = re.compile(r"(?:-{1,2}[A-Za-z]|[A-Za-z/$])[A-Za-z0-9_./:=$()-]*")
-_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}  # YAML 1.1 reads these as non-strings
-
-
-def _escape(ch: str) -> str:
-    o = ord(ch)
-    if ch in '"\\':
-        return "\\" + ch
-    if o < 0x20 or 0x7F <= o <= 0x9F or o in (0x2028, 0x2029, 0xFEFF) or 0xD800 <= o <= 0xDFFF:
-        return {"\n": "\\n", "\t": "\\t"}.get(ch, f"\\u{o:04x}")
-    return ch
+def _str(dumper: Any, text: str) -> Any:
+    """Multi-line text (the config in the ConfigMap) as a ``|`` block, as a person would write it;
+    PyYAML falls back to a quoted scalar where a block would not read back exactly."""
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
 
 
-def _scalar(v: Any) -> str:
-    if v is None or isinstance(v, bool):
-        return {None: "null", True: "true", False: "false"}[v]
-    if isinstance(v, int):
-        return str(v)
-    s = str(v)
-    if _PLAIN.fullmatch(s) and s.lower() not in _WORDS and not s.endswith(":"):
-        return s
-    return '"' + "".join(map(_escape, s)) + '"'
+def to_yaml(obj: Any) -> list[str]:
+    """Block-style YAML lines for nested dicts and lists (PyYAML, keys in insertion order)."""
+    import yaml
 
+    class Dumper(yaml.SafeDumper):
+        pass
 
-def _value(v: Any, indent: int) -> str:
-    """A scalar; multi-line text as a literal block when that reads back exactly, else quoted."""
-    if isinstance(v, str) and "\n" in v.rstrip("\n") and not v.endswith("\n\n") and v[0] not in " \t\n" \
-            and all(c in "\t\n" or _escape(c) == c or c in '"\\' for c in v) \
-            and not any(line.strip(" ") == "" and line for line in v.split("\n")):
-        pad = " " * indent
-        body = "\n".join(pad + line if line else "" for line in v.rstrip("\n").split("\n"))
-        return ("|" if v.endswith("\n") else "|-") + "\n" + body
-    return _scalar(v)
-
-
-def to_yaml(obj: Any, indent: int = 0) -> list[str]:
-    """Block-style YAML lines for nested dicts / lists of str, int, bool and None."""
-    pad, lines = " " * indent, []
-    items = obj.items() if isinstance(obj, dict) else ((None, v) for v in obj)
-    for k, v in items:
-        lead = f"{pad}{_scalar(k)}:" if isinstance(obj, dict) else f"{pad}-"
-        if isinstance(v, (dict, list)) and v:
-            sub = to_yaml(v, indent + 2)
-            if isinstance(obj, dict):
-                lines += [lead, *sub]
-            else:  # "- key: value" with the item's first line on the dash's line
-                lines += [f"{lead} {sub[0].lstrip()}", *sub[1:]]
-        else:
-            lines.append(f"{lead} {'{}' if v == {} else '[]' if v == [] else _value(v, indent + 2)}")
-    return lines
+    Dumper.add_representer(str, _str)
+    text = yaml.dump(obj, Dumper=Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
+                     width=1 << 16)
+    return text.splitlines()
 
 
 # ------------------------------------------------------------------------------------------- command
