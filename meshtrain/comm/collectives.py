@@ -84,7 +84,13 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
             tensor.copy_(buf.view(tensor.shape))
         return tensor
 
-    return runner.run(g, "all_reduce", _meta([tensor.shape], tensor.dtype, algo, redop=rop.value), body, async_op, nbytes)
+    # A symmetric tensor is reduced in place in the members' shared memory: every member must
+    # pass the same part of its allocation, so where it lies goes into the checked metadata.
+    sym = (shm_direct.symmetric_of(g.comm.transport, g.ranks, tensor)
+           if algo == "shm" and tensor.dtype == work_dtype(tensor.dtype, rop) else None)
+    extra = {} if sym is None else {"symmetric_offset": sym[1]}
+    return runner.run(g, "all_reduce", _meta([tensor.shape], tensor.dtype, algo, redop=rop.value, **extra),
+                      body, async_op, nbytes)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group | None = None,

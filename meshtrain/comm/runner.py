@@ -46,7 +46,7 @@ def p2p_tag(gid: int, tag: int) -> int:
 
 def _describe(meta: dict[str, Any]) -> str:
     parts = [str(meta.get("op"))]
-    for key in ("shapes", "dtype", "redop", "root", "algorithm"):
+    for key in ("shapes", "dtype", "redop", "root", "algorithm", "symmetric_offset"):
         if meta.get(key) is not None:
             parts.append(f"{key}={meta[key]}")
     return " ".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -34,10 +35,12 @@ class GradBucket:
 
 
 def build_buckets(named_params: list[tuple[str, torch.nn.Parameter]], cap_bytes: int,
-                  dtype: torch.dtype | None = None, first_cap_bytes: int | None = None) -> list[GradBucket]:
+                  dtype: torch.dtype | None = None, first_cap_bytes: int | None = None,
+                  alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None) -> list[GradBucket]:
     """Fill buckets of at most ``cap_bytes`` (a parameter larger than the cap gets its own) in the
     given order, a new bucket whenever the dtype changes; buffers are zeroed. The first bucket
     may have its own, smaller cap (DDP: 1 MB), so the first reduction starts early in backward.
+    ``alloc(numel, dtype, device)`` makes the buffers (DDP: ``comm.symmetric_empty`` on CPU).
 
     DDP's order is the reverse of registration, the order in which backward produces gradients,
     so the first bucket fills first and its reduction overlaps the rest of backward.
@@ -55,7 +58,8 @@ def build_buckets(named_params: list[tuple[str, torch.nn.Parameter]], cap_bytes:
         for _, p in cur:
             offsets.append(total)
             total += p.numel()
-        buf = torch.zeros(total, dtype=bdtype, device=cur[0][1].device)
+        device = cur[0][1].device
+        buf = torch.zeros(total, dtype=bdtype, device=device) if alloc is None else alloc(total, bdtype, device).zero_()
         buckets.append(GradBucket(len(buckets), buf, [p for _, p in cur], offsets, [n for n, _ in cur]))
         cur, cur_bytes = [], 0
 

@@ -97,7 +97,8 @@ class DataParallel(nn.Module):
         broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.buckets = build_buckets(list(reversed(named)), int(bucket_cap_mb * (1 << 20)),
-                                     first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)))
+                                     first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)),
+                                     alloc=self._bucket_buffer)
         self._where: dict[int, tuple[GradBucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -125,6 +126,13 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = old
+
+    def _bucket_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket's memory: symmetric on CPU, so that on one host's shared memory the all-reduce
+        reads the peers' buckets in place (no copy into staging buffers); plain elsewhere."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        return comm.symmetric_empty(numel, dtype, self.group)
 
     # -- backward machinery ---------------------------------------------------------------------
 

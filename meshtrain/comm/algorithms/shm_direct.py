@@ -9,6 +9,9 @@ copies its input into its own shared buffer once, and its peers read it from the
   instead: every rank reduces the whole message from all buffers, in rank order, so all ranks
   get the same bits.
 * reduce_scatter / all_gather / broadcast / reduce: one copy in, one read out per byte.
+* all_reduce of a symmetric tensor (``meshtrain.comm.symmetric_empty``: it lives in shared memory
+  on every member): no copy in and no chunks. Rank i reduces slice i straight out of its peers'
+  tensors, then copies the other reduced slices out of their owners' tensors.
 
 Messages larger than ``CHUNK_BYTES`` are cut into chunks that alternate between the two halves
 of each buffer (see ``transport/shm_area.py`` for the step protocol), so peers overlap. 1 MiB
@@ -79,12 +82,51 @@ def _per_chunk(es: int, blocks: int = 1) -> int:
     return max(CHUNK_BYTES // (es * blocks), 1)
 
 
+def symmetric_of(transport, ranks: list[int], buf: torch.Tensor):
+    """(allocation's area, byte offset) if the all-reduce of ``buf`` takes the in-place path:
+    ``buf`` lies in a symmetric allocation of the group ``ranks`` and is larger than
+    ``SMALL_BYTES`` (smaller ones take the one-step path). None otherwise."""
+    if (len(ranks) == 1 or buf.numel() * buf.element_size() <= SMALL_BYTES
+            or getattr(transport, "kind", "") != "shm" or not transport.is_local(ranks)):
+        return None
+    return transport.symmetric.find(buf, ranks)
+
+
+def _all_reduce_symmetric(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, sym, offset: int) -> None:
+    """All-reduce in place across the members' symmetric tensors. Three synchronisations, on the
+    group's step protocol (two of its chunks, no data in its buffers): inputs ready (with the
+    metadata fingerprint), slices reduced, peers done reading (before anyone returns, since the
+    caller may then write its tensor)."""
+    p, r, es, dt = ctx.size, ctx.rank, buf.element_size(), buf.dtype
+    b = even_bounds(buf.numel(), p)
+    area = _area(ctx, 1)
+    c, _ = area.begin(ctx.deadline)
+    _arrive(ctx, area, c, "inputs")
+    lo, hi = b[r], b[r + 1]
+    mine = buf[lo:hi]
+    for d in range(1, p):  # staggered, so the ranks do not all read one tensor at once
+        combine_(mine, sym.view((r + d) % p, 0, offset + lo * es, hi - lo, dt), op)
+    area.announce(2 * c + 2)
+    c1, _ = area.begin(ctx.deadline)
+    area.wait_all(2 * c + 2, ctx.deadline, "reduced slices")
+    ks = [(r + d) % p for d in range(1, p)]
+    torch._foreach_copy_([buf[b[k] : b[k + 1]] for k in ks],
+                         [sym.view(k, 0, offset + b[k] * es, b[k + 1] - b[k], dt) for k in ks])
+    area.announce(2 * c1 + 1)
+    area.wait_all(2 * c1 + 1, ctx.deadline, "its peers to finish reading")
+    area.announce(2 * c1 + 2)
+
+
 def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
     """Reduce-scatter then all-gather through the shared buffers: per rank (p-1)/p·n copied in,
-    (p-1)/p·n reduced, n/p published, (p-1)/p·n copied out; two steps per chunk."""
+    (p-1)/p·n reduced, n/p published, (p-1)/p·n copied out; two steps per chunk. A symmetric
+    ``buf`` is reduced in place instead (``_all_reduce_symmetric``)."""
     p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
     if p == 1 or n == 0:
         return check_only(ctx)
+    found = symmetric_of(ctx.transport, ctx.ranks, buf)
+    if found is not None:
+        return _all_reduce_symmetric(ctx, buf, op, *found)
     if n * es <= SMALL_BYTES:
         area = _area(ctx, n * es)
         c, half = area.begin(ctx.deadline)

@@ -39,6 +39,7 @@ from ...errors import CollectiveError, CollectiveMismatch
 from ..work import Work
 from . import shm_memory as mem
 from .base import PeerTimeout, Transport
+from .shm_symmetric import SymmetricRegistry
 from .torchdist import host_identity
 
 SLOT_BYTES = int(os.environ.get("MESHTRAIN_SHM_SLOT_BYTES", str(512 << 10)))
@@ -104,6 +105,7 @@ class ShmTransport(Transport):
         self._lock = threading.RLock()
         self._closed = False
         self._areas: dict[Any, Any] = {}
+        self.symmetric = SymmetricRegistry(self)
         self._boards: dict[Any, Any] = {}
         w, hdr0 = world_size, 16 * world_size
         self._hdr0 = hdr0
@@ -401,6 +403,7 @@ class ShmTransport(Transport):
             for a in self._areas.values():
                 a.close()
             self._areas.clear()
+            self.symmetric.allocs.clear()
             self._boards.clear()
             self._segs.clear()
             self._ctrl.clear()

@@ -41,6 +41,7 @@ class ShmArea:
         self.others = [k for k in range(len(ranks)) if k != self.me]
         self.chunk = 0  # chunks done by this group, across calls
         self.half = 0  # bytes per half of every member's data segment
+        self.halves = 2  # a symmetric allocation (transport/shm_symmetric.py) has one
         self.gen = 0
         self._data: list[mem.Segment | None] = [None] * len(ranks)
         self._views: dict[tuple, torch.Tensor] = {}
@@ -103,10 +104,14 @@ class ShmArea:
             return
         new = _round_up(max(half_bytes, cap), 4096)
         self.gen += 1
-        self._data = list(self._map_all(f"d{self.gen}", 2 * new, deadline, self.gen))
+        self._data = list(self._map_all(f"d{self.gen}", self.halves * new, deadline, self.gen))
         self._views.clear()
         self._all_opened(self.gen + 1, deadline)
         self.half = new
+
+    def segment_bytes(self, k: int) -> int:
+        """Size of member ``k``'s data segment as mapped here."""
+        return self._data[k].size
 
     def view(self, k: int, parity: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements at byte ``offset`` of half ``parity`` of member ``k``'s buffer.

@@ -1,0 +1,60 @@
+"""Symmetric memory on one host: a tensor per member of a group, allocated together, in shared
+memory that every member maps (``meshtrain.comm.symmetric_empty``).
+
+The shm all-reduce (``algorithms/shm_direct.py``) reads a symmetric tensor's peers in place: no
+copy into the staging buffers, no chunking, three synchronisations per call whatever its size.
+This is what NCCL's registered buffers and torch's CUDA ``SymmetricMemory`` do for GPUs. DDP's
+gradient buckets are allocated here when their group is on one host's shared memory.
+
+Allocations are collective (every member, same size, same order) and live until ``destroy()``:
+their names are unlinked once every member has mapped them, so nothing outlives the processes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .shm import ShmTransport
+    from .shm_area import ShmArea
+
+
+class SymmetricRegistry:
+    """The symmetric allocations of one process, per group (kept on the shm transport)."""
+
+    def __init__(self, t: "ShmTransport") -> None:
+        self.t = t
+        self.count: dict[tuple[int, ...], int] = {}
+        self.allocs: list[tuple[tuple[int, ...], int, int, "ShmArea"]] = []  # ranks, address, bytes, area
+
+    def allocate(self, ranks: Sequence[int], numel: int, dtype: torch.dtype, deadline: float) -> torch.Tensor:
+        """Collectively allocate ``numel`` elements of ``dtype`` on every member of ``ranks``."""
+        key = tuple(ranks)
+        n = self.count[key] = self.count.get(key, 0) + 1
+        nbytes = numel * dtype.itemsize
+        area = self.t.area(ranks, f"y{n}", deadline)
+        area.halves = 1
+        area.reserve(max(nbytes, 1), 0, deadline)
+        sizes = [area.segment_bytes(k) for k in range(len(ranks))]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"symmetric_empty #{n} on ranks {list(ranks)}: the members asked for different sizes "
+                f"(segment bytes by member: {sizes}); every member must allocate the same numel and dtype")
+        tensor = area.view(area.me, 0, 0, numel, dtype)
+        self.allocs.append((key, tensor.data_ptr(), nbytes, area))
+        return tensor
+
+    def find(self, tensor: torch.Tensor, ranks: Sequence[int]) -> tuple["ShmArea", int] | None:
+        """(area, byte offset) if contiguous ``tensor`` lies inside a symmetric allocation of
+        ``ranks``; None otherwise."""
+        if not self.allocs or not tensor.is_contiguous():
+            return None
+        key = tuple(ranks)
+        lo = tensor.data_ptr()
+        hi = lo + tensor.numel() * tensor.element_size()
+        for r, base, size, area in self.allocs:
+            if r == key and base <= lo and hi <= base + size:
+                return area, lo - base
+        return None
