@@ -144,6 +144,7 @@ def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
         return
     per = _per_chunk(es)
     area = _area(ctx, min(n, per) * es)
+    ks = [(r + d) % p for d in range(1, p)]
     for start in range(0, n, per):
         x = buf[start : start + per]
         b = even_bounds(x.numel(), p)
@@ -152,19 +153,19 @@ def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
         def shared(k: int, i: int) -> torch.Tensor:  # slice i of member k's buffer
             return area.view(k, half, b[i] * es, b[i + 1] - b[i], buf.dtype)
 
-        for i in range(p):
-            if i != r:
-                shared(r, i).copy_(x[b[i] : b[i + 1]])
+        lo, hi, m = b[r], b[r + 1], x.numel()
+        if lo > 0:  # the slices the others reduce, in at most two copies
+            area.view(r, half, 0, lo, buf.dtype).copy_(x[:lo])
+        if hi < m:
+            area.view(r, half, hi * es, m - hi, buf.dtype).copy_(x[hi:])
         _arrive(ctx, area, c, "inputs")
-        mine = x[b[r] : b[r + 1]]
-        for d in range(1, p):  # staggered, so the ranks do not all read one buffer at once
-            combine_(mine, shared((r + d) % p, r), op)
+        mine = x[lo:hi]
+        for k in ks:  # staggered, so the ranks do not all read one buffer at once
+            combine_(mine, shared(k, r), op)
         shared(r, r).copy_(mine)
         area.announce(2 * c + 2)
         area.wait_all(2 * c + 2, ctx.deadline, "reduced slices")
-        for d in range(1, p):
-            k = (r + d) % p
-            x[b[k] : b[k + 1]].copy_(shared(k, k))
+        torch._foreach_copy_([x[b[k] : b[k + 1]] for k in ks], [shared(k, k) for k in ks])
 
 
 def _scatter_reduce(ctx: Ctx, srcs: list[torch.Tensor], dst: torch.Tensor, op: ReduceOp) -> None:
