@@ -38,6 +38,7 @@ def test_bench_comm_other_ops_check_results(op, tmp_path):
     (["--algorithms", "ring,bogus"], "unknown algorithm"),
     (["--sizes", "64M:1K"], "bad size range"),
     (["--world", "two"], "--world"),
+    (["--op", "all_gather", "--algorithms", "shm_symmetric"], "shm_symmetric runs all_reduce only"),
 ])
 def test_bench_comm_bad_input_exits_nonzero_with_message(args, needle, tmp_path):
     js = tmp_path / "never.json"

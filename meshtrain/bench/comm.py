@@ -20,6 +20,7 @@ from .report import BUSBW_FACTOR
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
 OPS = tuple(BUSBW_FACTOR)
+SYMMETRIC = "shm_symmetric"  # algorithm="shm" on a tensor from comm.symmetric_empty (reduced in place)
 
 
 def _inputs(op: str, count: int, p: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +72,7 @@ def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> N
             dist.all_to_all_single(out, inp)
         return
     if op == "all_reduce":
-        mc.all_reduce(inp, algorithm=algo)
+        mc.all_reduce(inp, algorithm="shm" if algo == SYMMETRIC else algo)
     elif op == "reduce":
         mc.reduce(inp, 0, algorithm=algo)
     elif op == "broadcast":
@@ -121,6 +122,8 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
         cases = {}
         for algo in cfg["algorithms"]:  # one checked call each, and the iteration count
             inp, out, expected = _inputs(op, count, p, rank, dtype)
+            if algo == SYMMETRIC:  # the same input in symmetric memory (all_reduce only)
+                inp = out = mc.symmetric_empty(count, dtype).copy_(inp)
             _call(op, algo, inp, out, p)
             result = out if op in ("all_gather", "reduce_scatter", "all_to_all") else inp
             wrong = int((result != expected).sum().item())

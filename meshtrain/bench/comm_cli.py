@@ -10,9 +10,9 @@ from . import report
 from .comm import DTYPES, OPS, memcpy_gbps, run_transport
 
 ALGOS = ("ring", "tree", "recursive_doubling", "halving_doubling", "hierarchical", "direct", "native", "shm",
-         "auto")
+         "shm_symmetric", "auto")
 TRANSPORTS = ("local", "torch", "shm")
-ONLY_ON = {"native": "torch", "shm": "shm"}  # algorithms that exist on one transport
+ONLY_ON = {"native": "torch", "shm": "shm", "shm_symmetric": "shm"}  # algorithms that exist on one transport
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", default="all_reduce", choices=OPS, help="collective to time")
     p.add_argument("--algorithms", default="ring,halving_doubling,shm,native",
                    help="comma list; 'native' is torch.distributed's own (torch transport only), "
-                        "'shm' works on shared buffers (shm transport only)")
+                        "'shm' works on shared buffers (shm transport only); 'shm_symmetric' is shm "
+                        "all_reduce of a tensor from comm.symmetric_empty, reduced in place")
     p.add_argument("--sizes", default="1K:64M", help="LO:HI geometric range or comma list, e.g. 1K:64M or 16M,64M")
     p.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes of a LO:HI range")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -55,6 +56,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [a for a in algos if a not in ALGOS]
     if unknown or not algos:
         return _fail(f"unknown algorithm {unknown or algos}: choose from {', '.join(ALGOS)}")
+    if "shm_symmetric" in algos and args.op != "all_reduce":
+        return _fail(f"shm_symmetric runs all_reduce only, not {args.op}: drop it or use --op all_reduce")
     try:
         worlds = [int(w) for w in args.world.split(",")]
         sizes = report.parse_sizes(args.sizes, args.factor)
