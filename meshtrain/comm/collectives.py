@@ -69,7 +69,13 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
     g, rop = _group(group), parse_op(op)
     check_dtype(_check_tensor(tensor).dtype, rop)
     nbytes = tensor.numel() * tensor.element_size()
-    algo = _algorithm(g, "all_reduce", algorithm, nbytes)
+    # A symmetric tensor (comm.symmetric_empty) is reduced in place in the members' shared memory,
+    # cheaper than any algorithm the cost model prices, so auto takes it. Every member must pass
+    # the same part of its allocation, so where it lies goes into the checked metadata.
+    sym = (shm_direct.symmetric_of(g.comm.transport, g.ranks, tensor)
+           if tensor.dtype == work_dtype(tensor.dtype, rop) else None)
+    algo = "shm" if sym is not None and algorithm == "auto" else _algorithm(g, "all_reduce", algorithm, nbytes)
+    extra = {"symmetric_offset": sym[1]} if sym is not None and algo == "shm" else {}
 
     def body(ctx: Ctx) -> torch.Tensor:
         buf, back = _flat(tensor, work_dtype(tensor.dtype, rop))
@@ -84,11 +90,6 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
             tensor.copy_(buf.view(tensor.shape))
         return tensor
 
-    # A symmetric tensor is reduced in place in the members' shared memory: every member must
-    # pass the same part of its allocation, so where it lies goes into the checked metadata.
-    sym = (shm_direct.symmetric_of(g.comm.transport, g.ranks, tensor)
-           if algo == "shm" and tensor.dtype == work_dtype(tensor.dtype, rop) else None)
-    extra = {} if sym is None else {"symmetric_offset": sym[1]}
     return runner.run(g, "all_reduce", _meta([tensor.shape], tensor.dtype, algo, redop=rop.value, **extra),
                       body, async_op, nbytes)
 

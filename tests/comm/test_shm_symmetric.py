@@ -52,7 +52,7 @@ def _in_place(rank: int) -> dict:
                     want = reduce_ref([make_input(seed, r, view.shape, dtype, op) for r in granks], op)
                     mc.all_reduce(view, op=op, group=g, algorithm=algo)
                     big = view.numel() * view.element_size() > shm_direct.SMALL_BYTES
-                    expected_taken += int(big and (algo == "shm" or _auto_is_shm(g, view)))
+                    expected_taken += int(big)  # auto takes shm for a symmetric tensor
                     try:
                         assert_reduced(view, want, op, len(granks))
                         rest = torch.cat([t[: 7 if part == "slice" else 0], t[n + 3 if part == "slice" else n :]])
@@ -62,13 +62,6 @@ def _in_place(rank: int) -> dict:
                     bits[f"{gi}/{ci}/{algo}/{part}"] = view.clone()
     return {"fails": fails, "bits": {k: v.numpy().tobytes() for k, v in bits.items()},
             "taken": taken[0], "expected_taken": expected_taken}
-
-
-def _auto_is_shm(g, view) -> bool:
-    from meshtrain.comm import collectives, current
-
-    group = g or current().world
-    return collectives._algorithm(group, "all_reduce", "auto", view.numel() * view.element_size()) == "shm"
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -138,8 +131,17 @@ def test_symmetric_empty_is_a_plain_tensor_off_shm_and_for_bad_sizes():
 
 def _ddp(rank: int) -> dict:
     import meshtrain.comm as mc
+    from meshtrain.comm.algorithms import shm_direct
     from meshtrain.parallel.data import DataParallel
 
+    taken = [0]
+    real = shm_direct._all_reduce_symmetric
+
+    def counted(*a):
+        taken[0] += 1
+        return real(*a)
+
+    shm_direct._all_reduce_symmetric = counted
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 8))
     ddp = DataParallel(model, bucket_cap_mb=0.05, first_bucket_mb=0.05)
@@ -147,7 +149,7 @@ def _ddp(rank: int) -> dict:
     ddp(x).square().mean().backward()
     t = mc.current().transport
     symmetric = [t.symmetric.find(b.buffer, list(range(mc.get_world_size()))) is not None for b in ddp.buckets]
-    return {"symmetric": symmetric, "grads": [p.grad.clone() for p in model.parameters()]}
+    return {"symmetric": symmetric, "in_place": taken[0], "grads": [p.grad.clone() for p in model.parameters()]}
 
 
 def test_ddp_buckets_are_symmetric_on_shm_and_gradients_match_the_global_batch():
@@ -158,5 +160,6 @@ def test_ddp_buckets_are_symmetric_on_shm_and_gradients_match_the_global_batch()
     (sum(ref(x).square().mean() for x in xs) / 2).backward()
     for r in res:
         assert len(r["symmetric"]) >= 2 and all(r["symmetric"])
+        assert r["in_place"] >= 1  # the 76.8 KB bucket of the first weight (above SMALL_BYTES)
         for g, p in zip(r["grads"], ref.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
