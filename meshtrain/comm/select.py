@@ -6,6 +6,7 @@ costs CPU time, and these are host-driven. Each algorithm's time is a formula
 in α, β, γ, n and p; ``auto`` picks the cheapest. α, β and γ are fitted per group by a short
 ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call, and
 cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
+On one host's shared memory the shm collectives are taken without pricing (see ``choose``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from .algorithms.base import Ctx
 from .types import ReduceOp, combine_
 
 SEGMENT = 4 << 20  # ring.SEGMENT_BYTES
-SHM_CHUNK, SHM_SMALL = shm_direct.CHUNK_BYTES, shm_direct.SMALL_BYTES
 
 
 @dataclass
@@ -41,8 +41,6 @@ class CostModel:
         a, b, g, n = self.alpha, self.beta, self.gamma, float(nbytes)
         if p <= 1:
             return 0.0
-        if algorithm == "shm":
-            return self._predict_shm(op, n, p)
         lg = math.ceil(math.log2(p))
         pp = 1 << (p.bit_length() - 1)
         fold = 0.0 if pp == p else 2 * (a + n * b) + n * g
@@ -79,27 +77,6 @@ class CostModel:
         if op in ("gather", "scatter"):
             return {"tree": lg * a + f * n * b, "direct": (p - 1) * a + f * n * b}[algorithm]
         return a * p + n * b
-
-
-    def _predict_shm(self, op: str, n: float, p: int) -> float:
-        """The shm collectives: α per synchronisation step, one memory copy μ ≈ β/2 per byte
-        (a point-to-point byte is copied twice: into a slot and out of it), γ per byte reduced."""
-        a, mu, g = self.alpha, self.beta / 2, self.gamma
-        f = (p - 1) / p
-        steps = 2 * max(math.ceil(n / SHM_CHUNK), 1)
-        if op == "all_reduce":
-            if n <= SHM_SMALL:
-                return a + n * mu + (p - 1) * n * g
-            return steps * a + (2 * f + 1 / p) * n * mu + f * n * g
-        if op == "reduce_scatter":
-            return steps * a + f * n * (mu + g)
-        if op == "all_gather":
-            return steps * a + n * mu
-        if op == "broadcast":
-            return steps * a + 2 * n * mu
-        if op == "reduce":
-            return steps * a + n * mu + (p - 1) * n * g
-        return math.inf
 
 
 DEFAULTS = {
@@ -213,8 +190,13 @@ def choose(group, op: str, nbytes: int) -> str:
     """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member)."""
     names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
     t = group.comm.transport
-    if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks):
-        names.append("shm")
+    if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks) and group.size > 1:
+        # One host's shared memory: the shm collectives beat every point-to-point algorithm on
+        # this transport at every size measured (docs/benchmarks.md, "auto on the shm
+        # transport"), while the model, fitted from a one-way ping-pong, prices those algorithms
+        # 2-2.5x too cheaply there (a ring step both sends and receives, so each core copies
+        # every byte twice, and each message pays the transport's per-message work).
+        return "shm"
     if len(names) == 1 or group.size == 1:
         return names[0]
     if group.cost_model is None:
@@ -229,6 +211,8 @@ def crossovers(model: CostModel, op: str, p: int, nodes: int = 1,
     """Sizes (bytes, doubling from ``lo``) where the cheapest algorithm changes, with the new winner;
     ``extra`` adds transport-specific algorithms (``("shm",)`` on the shm transport)."""
     names = list(REGISTRY[op]) + [e for e in extra if e != "shm" or op in shm_direct.ALGORITHMS]
+    if "shm" in names and p > 1:  # what choose() does on one host's shared memory
+        return [(lo, "shm")]
     out: list[tuple[int, str]] = []
     prev = None
     n = lo
