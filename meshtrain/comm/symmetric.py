@@ -21,7 +21,8 @@ def symmetric_empty(size: int | Sequence[int], dtype: torch.dtype = torch.float3
     transport with the whole group on one host, the tensor lives in shared memory that every
     member maps, and ``all_reduce`` of it (or of a slice at the same place on every member)
     skips the copy into the staging buffers; it stays allocated until ``destroy()``. On any other
-    transport, or for a group of one, it is a plain ``torch.empty``, so callers need no branch.
+    transport, or for a group of one, it is a plain ``torch.empty``, so callers need no branch;
+    so it is, with a ``RuntimeWarning``, when /dev/shm has no room for every member's tensor.
     """
     g = _group(group)
     shape = (size,) if isinstance(size, int) else tuple(size)
@@ -35,6 +36,8 @@ def symmetric_empty(size: int | Sequence[int], dtype: torch.dtype = torch.float3
         return torch.empty(shape, dtype=dtype)
     try:
         flat = t.symmetric.allocate(g.ranks, numel, dtype, time.monotonic() + g.timeout)
+        if flat is None:  # /dev/shm too small for all members' tensors (warned)
+            return torch.empty(shape, dtype=dtype)
     except PeerTimeout as exc:
         raise CollectiveTimeout(
             f"symmetric_empty on group {g.gid} (ranks {g.ranks}) timed out after {g.timeout:g}s on rank "

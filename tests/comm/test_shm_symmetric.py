@@ -163,3 +163,43 @@ def test_ddp_buckets_are_symmetric_on_shm_and_gradients_match_the_global_batch()
         assert r["in_place"] >= 1  # the 76.8 KB bucket of the first weight (above SMALL_BYTES)
         for g, p in zip(r["grads"], ref.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def _short_of_space(rank: int) -> dict:
+    import warnings
+
+    import meshtrain.comm as mc
+    from meshtrain.comm.transport import shm_memory
+
+    if rank == 1:  # one member sees a nearly full /dev/shm: every member must fall back
+        shm_memory.free_bytes = lambda: 1 << 20
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = mc.symmetric_empty(100_000)
+    t.fill_(rank + 1)
+    mc.all_reduce(t)
+    found = mc.current().transport.symmetric.find(t, [0, 1])
+    return {"found": found is not None, "warned": [str(w.message) for w in caught], "sum": float(t[0])}
+
+
+def test_symmetric_empty_falls_back_together_when_dev_shm_is_short():
+    for r in spawn(2, _short_of_space, timeout=60, comm_timeout=20, transport="shm"):
+        assert not r["found"] and r["sum"] == 3.0
+        assert any("1048576 bytes free" in w and "--shm-size" in w for w in r["warned"]), r["warned"]
+
+
+def test_a_full_dev_shm_fails_at_creation_with_a_message_and_no_file(monkeypatch, tmp_path):
+    import errno
+    import os
+
+    from meshtrain.comm.transport import shm_memory
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm_memory, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(OSError, match="is full: no room for the 65536 bytes") as info:
+        shm_memory.Segment.create("meshtrain.1.test", 1 << 16)
+    assert "--shm-size" in str(info.value)
+    assert os.listdir(tmp_path) == []

@@ -10,6 +10,7 @@ whoever finds a name whose owner is dead (a survivor, or the next start) can rem
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -63,7 +64,11 @@ class Segment:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
+            _reserve(fd, size, path)
             mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, path)  # atomic: a peer never maps a half-sized file
@@ -92,6 +97,26 @@ class Segment:
             os.unlink(segment_path(self.name))
         except FileNotFoundError:
             pass
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Take the segment's pages now: a full /dev/shm then fails here with a message instead of
+    killing the process with SIGBUS at its first write into a page tmpfs cannot supply."""
+    if not hasattr(os, "posix_fallocate") or size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            return  # a file system without fallocate: pages come on first write, as before
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} is full: no room for the {size} bytes of {path}. Give "
+                                    f"it more space (docker run --shm-size, or a larger tmpfs) or free some") from None
+
+
+def free_bytes() -> int:
+    """Bytes an unprivileged process may still put into SHM_DIR."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def alive(pid: int) -> bool:

@@ -12,13 +12,20 @@ their names are unlinked once every member has mapped them, so nothing outlives 
 
 from __future__ import annotations
 
+import time
+import warnings
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from . import shm_memory as mem
+
 if TYPE_CHECKING:
     from .shm import ShmTransport
     from .shm_area import ShmArea
+
+
+HEADROOM_BYTES = 16 << 20  # left free for the staging buffers and slots of groups made later
 
 
 class SymmetricRegistry:
@@ -29,11 +36,25 @@ class SymmetricRegistry:
         self.count: dict[tuple[int, ...], int] = {}
         self.allocs: list[tuple[tuple[int, ...], int, int, "ShmArea"]] = []  # ranks, address, bytes, area
 
-    def allocate(self, ranks: Sequence[int], numel: int, dtype: torch.dtype, deadline: float) -> torch.Tensor:
-        """Collectively allocate ``numel`` elements of ``dtype`` on every member of ``ranks``."""
+    def allocate(self, ranks: Sequence[int], numel: int, dtype: torch.dtype,
+                 deadline: float) -> torch.Tensor | None:
+        """Collectively allocate ``numel`` elements of ``dtype`` on every member of ``ranks``.
+        None on every member if /dev/shm lacks room for all of them (the caller falls back)."""
         key = tuple(ranks)
         n = self.count[key] = self.count.get(key, 0) + 1
         nbytes = numel * dtype.itemsize
+        # Every member's segment lands in the same /dev/shm, so all decide on the least free
+        # space any of them saw: all fall back together, never one symmetric and one plain.
+        need = (nbytes + 4095) // 4096 * 4096 * len(ranks) + HEADROOM_BYTES
+        seen = self.t.exchange(f"sym/space/{n}", list(ranks), str(mem.free_bytes()),
+                               max(deadline - time.monotonic(), 1e-3))
+        if min(int(v) for v in seen) < need:
+            warnings.warn(
+                f"symmetric_empty #{n} on ranks {list(ranks)}: {mem.SHM_DIR} has {min(int(v) for v in seen)} "
+                f"bytes free and the members' tensors need {need}; using plain tensors (the all-reduce "
+                f"copies through the staging buffers). Give {mem.SHM_DIR} more space (docker run "
+                f"--shm-size) to reduce them in place.", RuntimeWarning, stacklevel=3)
+            return None
         area = self.t.area(ranks, f"y{n}", deadline)
         area.halves = 1
         area.reserve(max(nbytes, 1), 0, deadline)
