@@ -75,11 +75,15 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
     sym = (shm_direct.symmetric_of(g.comm.transport, g.ranks, tensor)
            if tensor.dtype == work_dtype(tensor.dtype, rop) else None)
     algo = "shm" if sym is not None and algorithm == "auto" else _algorithm(g, "all_reduce", algorithm, nbytes)
-    extra = {"symmetric_offset": sym[1]} if sym is not None and algo == "shm" else {}
+    if algo != "shm":
+        sym = None
+    extra = {} if sym is None else {"symmetric_offset": sym[1]}
 
     def body(ctx: Ctx) -> torch.Tensor:
         buf, back = _flat(tensor, work_dtype(tensor.dtype, rop))
-        if algo == "native":
+        if sym is not None:  # buf is tensor itself (same dtype, contiguous)
+            shm_direct.all_reduce_symmetric(ctx, buf, rop, *sym)
+        elif algo == "native":
             native.all_reduce(g.torch_group, buf, rop)
         elif algo == "hierarchical":
             lookup("all_reduce", algo)(ctx, buf, rop, g.comm.node_size)

@@ -188,7 +188,6 @@ def calibrate(group, force: bool = False) -> CostModel:
 
 def choose(group, op: str, nbytes: int) -> str:
     """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member)."""
-    names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
     t = group.comm.transport
     if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
@@ -197,6 +196,7 @@ def choose(group, op: str, nbytes: int) -> str:
         # 2-2.5x too cheaply there (a ring step both sends and receives, so each core copies
         # every byte twice, and each message pays the transport's per-message work).
         return "shm"
+    names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
     if len(names) == 1 or group.size == 1:
         return names[0]
     if group.cost_model is None:

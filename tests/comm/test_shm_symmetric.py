@@ -23,13 +23,13 @@ def _in_place(rank: int) -> dict:
     from meshtrain.comm.algorithms import shm_direct
 
     taken = [0]
-    real = shm_direct._all_reduce_symmetric
+    real = shm_direct.all_reduce_symmetric
 
     def counted(*a):
         taken[0] += 1
         return real(*a)
 
-    shm_direct._all_reduce_symmetric = counted
+    shm_direct.all_reduce_symmetric = counted
     shm_direct.REDUCE_BLOCK_BYTES = 4108  # many blocks, a ragged last one, at a test's sizes
     p = mc.get_world_size()
     fails, bits, expected_taken = [], {}, 0
@@ -135,13 +135,13 @@ def _ddp(rank: int) -> dict:
     from meshtrain.parallel.data import DataParallel
 
     taken = [0]
-    real = shm_direct._all_reduce_symmetric
+    real = shm_direct.all_reduce_symmetric
 
     def counted(*a):
         taken[0] += 1
         return real(*a)
 
-    shm_direct._all_reduce_symmetric = counted
+    shm_direct.all_reduce_symmetric = counted
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 8))
     ddp = DataParallel(model, bucket_cap_mb=0.05, first_bucket_mb=0.05)

@@ -95,8 +95,9 @@ def symmetric_of(transport, ranks: list[int], buf: torch.Tensor):
     return transport.symmetric.find(buf, ranks)
 
 
-def _all_reduce_symmetric(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, sym, offset: int) -> None:
-    """All-reduce in place across the members' symmetric tensors. Three synchronisations, on the
+def all_reduce_symmetric(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, sym, offset: int) -> None:
+    """All-reduce in place across the members' symmetric tensors (``sym, offset`` from
+    ``symmetric_of``; the front end dispatches here). Three synchronisations, on the
     group's step protocol (two of its chunks, no data in its buffers): inputs ready (with the
     metadata fingerprint), slices reduced, peers done reading (before anyone returns, since the
     caller may then write its tensor)."""
@@ -123,14 +124,11 @@ def _all_reduce_symmetric(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, sym, offset
 
 def all_reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp) -> None:
     """Reduce-scatter then all-gather through the shared buffers: per rank (p-1)/p·n copied in,
-    (p-1)/p·n reduced, n/p published, (p-1)/p·n copied out; two steps per chunk. A symmetric
-    ``buf`` is reduced in place instead (``_all_reduce_symmetric``)."""
+    (p-1)/p·n reduced, n/p published, (p-1)/p·n copied out; two steps per chunk. (A symmetric
+    tensor goes to ``all_reduce_symmetric`` instead.)"""
     p, r, n, es = ctx.size, ctx.rank, buf.numel(), buf.element_size()
     if p == 1 or n == 0:
         return check_only(ctx)
-    found = symmetric_of(ctx.transport, ctx.ranks, buf)
-    if found is not None:
-        return _all_reduce_symmetric(ctx, buf, op, *found)
     if n * es <= SMALL_BYTES:
         area = _area(ctx, n * es)
         c, half = area.begin(ctx.deadline)

@@ -48,9 +48,10 @@ class SymmetricRegistry:
         need = (nbytes + 4095) // 4096 * 4096 * len(ranks) + HEADROOM_BYTES
         seen = self.t.exchange(f"sym/space/{n}", list(ranks), str(mem.free_bytes()),
                                max(deadline - time.monotonic(), 1e-3))
-        if min(int(v) for v in seen) < need:
+        free = min(int(v) for v in seen)
+        if free < need:
             warnings.warn(
-                f"symmetric_empty #{n} on ranks {list(ranks)}: {mem.SHM_DIR} has {min(int(v) for v in seen)} "
+                f"symmetric_empty #{n} on ranks {list(ranks)}: {mem.SHM_DIR} has {free} "
                 f"bytes free and the members' tensors need {need}; using plain tensors (the all-reduce "
                 f"copies through the staging buffers). Give {mem.SHM_DIR} more space (docker run "
                 f"--shm-size) to reduce them in place.", RuntimeWarning, stacklevel=3)
