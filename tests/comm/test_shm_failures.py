@@ -18,6 +18,8 @@ from meshtrain.comm.launch import RankFailure, spawn
 from meshtrain.comm.transport import shm_memory
 from meshtrain.errors import CollectiveMismatch, CollectiveTimeout
 
+from ._outcomes import outcomes
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
@@ -108,15 +110,7 @@ def _mismatches_in_the_first_step(rank: int) -> dict:
         "ops": lambda: (mc.broadcast(torch.ones(8), src=0, algorithm="shm") if rank == 0
                         else mc.all_gather_into_tensor(torch.empty(16), torch.ones(8), algorithm="shm")),
     }
-    out: dict = {}
-    for name, call in cases.items():
-        t0 = time.monotonic()
-        try:
-            call()
-            out[name] = "no error"
-        except CollectiveMismatch as exc:
-            out[name] = str(exc)
-        out[name + "_s"] = time.monotonic() - t0
+    out = outcomes(cases, (CollectiveMismatch,))
     x = torch.full((300_000,), float(rank + 1))  # the group still works, chunked and all
     mc.all_reduce(x, algorithm="shm")
     out["after"] = float(x[0]), float(x[-1])

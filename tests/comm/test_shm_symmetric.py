@@ -4,7 +4,6 @@ tensors, slices and subgroups; mismatches named; a plain tensor elsewhere; DDP's
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -12,14 +11,14 @@ import torch
 from meshtrain.comm.launch import spawn
 from meshtrain.errors import CollectiveMismatch
 
+from ._outcomes import outcomes
 from ._reference import assert_reduced, make_input, reduce_ref
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _in_place(rank: int) -> dict:
-    """Every case on every rank; counts the calls that took the in-place path."""
-    import meshtrain.comm as mc
+def _count_in_place() -> list[int]:
+    """Count, in this process, the all-reduces that take the in-place path: [count]."""
     from meshtrain.comm.algorithms import shm_direct
 
     taken = [0]
@@ -30,6 +29,15 @@ def _in_place(rank: int) -> dict:
         return real(*a)
 
     shm_direct.all_reduce_symmetric = counted
+    return taken
+
+
+def _in_place(rank: int) -> dict:
+    """Every case on every rank; counts the calls that took the in-place path."""
+    import meshtrain.comm as mc
+    from meshtrain.comm.algorithms import shm_direct
+
+    taken = _count_in_place()
     shm_direct.REDUCE_BLOCK_BYTES = 4108  # many blocks, a ragged last one, at a test's sizes
     p = mc.get_world_size()
     fails, bits, expected_taken = [], {}, 0
@@ -78,21 +86,13 @@ def test_symmetric_all_reduce_is_in_place_and_matches_torch(p):
 def _mismatches(rank: int) -> dict:
     import meshtrain.comm as mc
 
-    out: dict = {}
     t = mc.symmetric_empty(50_000)
     cases = {
         "plain-vs-symmetric": lambda: mc.all_reduce(t[:40_000] if rank == 0 else torch.ones(40_000), algorithm="shm"),
         "offsets": lambda: mc.all_reduce(t[:40_000] if rank == 0 else t[8:40_008], algorithm="shm"),
         "sizes": lambda: mc.symmetric_empty(1_000_000 if rank == 0 else 10),
     }
-    for name, call in cases.items():
-        t0 = time.monotonic()
-        try:
-            call()
-            out[name] = "no error"
-        except (CollectiveMismatch, ValueError) as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-        out[name + "_s"] = time.monotonic() - t0
+    out = outcomes(cases, (CollectiveMismatch, ValueError))
     t.fill_(rank + 1)
     mc.all_reduce(t, algorithm="shm")  # the group still works
     out["after"] = float(t[0]), float(t[-1])
@@ -131,17 +131,9 @@ def test_symmetric_empty_is_a_plain_tensor_off_shm_and_for_bad_sizes():
 
 def _ddp(rank: int) -> dict:
     import meshtrain.comm as mc
-    from meshtrain.comm.algorithms import shm_direct
     from meshtrain.parallel.data import DataParallel
 
-    taken = [0]
-    real = shm_direct.all_reduce_symmetric
-
-    def counted(*a):
-        taken[0] += 1
-        return real(*a)
-
-    shm_direct.all_reduce_symmetric = counted
+    taken = _count_in_place()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(), torch.nn.Linear(300, 8))
     ddp = DataParallel(model, bucket_cap_mb=0.05, first_bucket_mb=0.05)
