@@ -13,6 +13,11 @@ if "MESHTRAIN_CACHE_DIR" not in os.environ:  # an isolated calibration cache, re
     _cache = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
     os.environ["MESHTRAIN_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
+# torch's compiler caches (inductor: the meta-device model build of test_preset_sizes already
+# makes one) default to <tmp>/torchinductor_<user>: keep them in the run's own directory, so a
+# fresh machine's temp dir ends the suite as it began (CI's .ci/run gives a fresh one).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["MESHTRAIN_CACHE_DIR"], "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["MESHTRAIN_CACHE_DIR"], "triton"))
 
 # CI runs derandomized so a red build is reproducible; locally HYPOTHESIS_PROFILE=dev explores more.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
