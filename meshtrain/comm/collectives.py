@@ -1,6 +1,7 @@
 """Module-level collectives with torch.distributed's names, signatures and in-place semantics.
 
-Each call validates its arguments, picks the algorithm (``auto`` = cost model), and hands a body to
+Each call validates its arguments, picks the algorithm (``auto`` = the communicator's preferred
+algorithm where valid, else the cost model; see ``select.choose``), and hands a body to
 ``runner.run``. Bodies work on a flat buffer: the tensor itself when it is contiguous and already
 in the working dtype (half-precision sums accumulate in fp32), else a converted copy written back.
 """
@@ -71,10 +72,12 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
     nbytes = tensor.numel() * tensor.element_size()
     # A symmetric tensor (comm.symmetric_empty) is reduced in place in the members' shared memory,
     # cheaper than any algorithm the cost model prices, so auto takes it. Every member must pass
-    # the same part of its allocation, so where it lies goes into the checked metadata.
+    # the same part of its allocation, so where it lies goes into the checked metadata. A preferred
+    # algorithm other than shm (comm.algorithm) is the user's explicit choice and wins.
     sym = (shm_direct.symmetric_of(g.comm.transport, g.ranks, tensor)
            if tensor.dtype == work_dtype(tensor.dtype, rop) else None)
-    algo = "shm" if sym is not None and algorithm == "auto" else _algorithm(g, "all_reduce", algorithm, nbytes)
+    take_sym = sym is not None and algorithm == "auto" and select.preferred(g, "all_reduce") in (None, "shm")
+    algo = "shm" if take_sym else _algorithm(g, "all_reduce", algorithm, nbytes)
     if algo != "shm":
         sym = None
     extra = {} if sym is None else {"symmetric_offset": sym[1]}

@@ -105,6 +105,10 @@ class Communicator:
                  torch_world: Any = None, node_size: int | None = None) -> None:
         self.transport = transport
         self.node_size = node_size  # hierarchical algorithm: ranks per node (None: by host)
+        # What algorithm="auto" resolves to where this name is valid for the op and group (see
+        # select.preferred); None: the cost model. Every rank must set it alike (the metadata
+        # check names the ranks whose algorithms then differ).
+        self.preferred_algorithm: str | None = None
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.timeout = timeout

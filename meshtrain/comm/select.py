@@ -7,6 +7,8 @@ in α, β, γ, n and p; ``auto`` picks the cheapest. α, β and γ are fitted pe
 ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call, and
 cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
 On one host's shared memory the shm collectives are taken without pricing (see ``choose``).
+A communicator's ``preferred_algorithm`` (the training config's ``comm.algorithm``) is taken
+before either wherever it is valid for the op and group (``preferred``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .algorithms import REGISTRY, shm_direct
+from .algorithms import REGISTRY, algorithms_for, shm_direct
 from .algorithms.base import Ctx
 from .types import ReduceOp, combine_
 
@@ -186,8 +188,26 @@ def calibrate(group, force: bool = False) -> CostModel:
     return model
 
 
+def preferred(group, op: str) -> str | None:
+    """The communicator's ``preferred_algorithm`` if it can run ``op`` on ``group``, else None.
+
+    Valid means offered for ``op`` on the group's transport (``algorithms_for``: "native" only on
+    torch, "shm" only on shm) and, for "shm", every member on this host's shared memory (a group
+    spanning hosts cannot use it)."""
+    name = group.comm.preferred_algorithm
+    if name is None or name not in algorithms_for(op, group.comm.transport.kind):
+        return None
+    if name == "shm" and not (group.comm.transport.is_local(group.ranks) and group.size > 1):
+        return None
+    return name
+
+
 def choose(group, op: str, nbytes: int) -> str:
-    """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member)."""
+    """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member),
+    or the communicator's preferred algorithm where it is valid for ``op`` on ``group``."""
+    pref = preferred(group, op)
+    if pref is not None:  # the user's choice (the training config's comm.algorithm) beats the model
+        return pref
     t = group.comm.transport
     if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
