@@ -164,7 +164,9 @@ class CommSection:
     backend: str = "auto"
     """torch.distributed backend: "gloo", "nccl" or "auto" (nccl on CUDA, else gloo)."""
     algorithm: str = "auto"
-    """Collective algorithm: "auto" (cost model) or a name such as "ring" or "tree"."""
+    """Collective algorithm: "auto" (the cost model) or a name ("ring", "tree", "recursive_doubling",
+    "halving_doubling", "hierarchical", "direct", "native", "shm") that every training collective
+    it can run uses; the others stay "auto". Point-to-point send/recv (pp, cp) have none."""
     timeout_s: float = 300.0
     """Seconds a collective may take before it fails naming the missing ranks."""
     init_timeout_s: float = 120.0

@@ -54,6 +54,45 @@ def parallel_config(config: Config) -> "ParallelConfig":
         raise ConfigError(f"parallel.{e}") from None
 
 
+# The collectives a training run issues with algorithm="auto" (meshtrain/parallel, the trainer,
+# checkpoints): the ops comm.algorithm can pin. Pipeline and context parallelism move activations
+# with point-to-point send/recv, which have no algorithm; barrier is the metadata exchange itself.
+TRAINING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def transport_kinds(transport: str, backend: str) -> tuple[str, ...]:
+    """The transport kinds ``comm.transport`` can give a run: ``auto`` is the torch group with
+    NCCL, else shm (between hosts too); with ``backend = auto`` that depends on the machine."""
+    if transport != "auto":
+        return (transport,)
+    return {"gloo": ("shm",), "nccl": ("torch",)}.get(backend, ("shm", "torch"))
+
+
+def training_algorithms(kinds: typing.Iterable[str]) -> list[str]:
+    """The algorithm names that run at least one of ``TRAINING_OPS`` on one of the transport
+    ``kinds`` (sorted); ``comm.algorithm`` must be one of them or "auto"."""
+    from ..comm.algorithms import algorithms_for
+
+    return sorted({a for k in kinds for op in TRAINING_OPS for a in algorithms_for(op, k)})
+
+
+def check_algorithm(algorithm: str, kinds: typing.Iterable[str], where: str) -> None:
+    """Raise ``ConfigError`` unless ``comm.algorithm`` is "auto" or pins at least one training
+    collective on one of the transport ``kinds``; ``where`` says which transport setting that is."""
+    valid = ["auto"] + training_algorithms(kinds)
+    if algorithm in valid:
+        return
+    from ..comm.algorithms import REGISTRY
+
+    if algorithm not in {a for names in REGISTRY.values() for a in names} | {"native", "shm"}:
+        raise _unknown(algorithm, valid, "comm.algorithm")
+    needs = {"native": " ('native' needs the torch transport: comm.transport = 'torch', or 'auto' with nccl)",
+             "shm": " ('shm' needs the shm transport: comm.transport = 'shm', or 'auto' without nccl)"
+             }.get(algorithm, "")
+    raise ConfigError(f"comm.algorithm = {algorithm!r} runs none of the collectives training uses "
+                      f"({', '.join(TRAINING_OPS)}) on {where}{needs}; use one of {', '.join(valid)}")
+
+
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -63,7 +102,6 @@ def validate(config: Config) -> None:
     """Cross-field checks that need no processes: degrees, batch and sequence divisibility, the
     schedule, the model's shape under tp / pp, the optimiser and the names of choices. Raises
     ``ConfigError`` naming the field and the fix."""
-    from ..comm.algorithms import REGISTRY
     from ..parallel.pipeline.schedule import build_schedule
     from ..parallel.parallelize import check_tensor_parallel
 
@@ -105,9 +143,8 @@ def validate(config: Config) -> None:
     _need(not (c.backend == "nccl" and t.device == "cpu"), "comm.backend = 'nccl' needs train.device = 'cuda' "
           "(or 'auto' on a GPU machine); on CPU use comm.backend = 'gloo'")
     _need(c.timeout_s > 0 and c.init_timeout_s > 0, "comm.timeout_s and comm.init_timeout_s must be > 0")
-    algorithms = sorted({name for names in REGISTRY.values() for name in names} | {"auto", "native", "shm"})
-    if c.algorithm not in algorithms:
-        raise _unknown(c.algorithm, algorithms, "comm.algorithm")
+    check_algorithm(c.algorithm, transport_kinds(c.transport, c.backend), f"comm.transport = {c.transport!r}"
+                    + (f" with comm.backend = {c.backend!r}" if c.transport == "auto" else ""))
     _need(d.vocab_size >= 257, f"data.vocab_size = {d.vocab_size} must be >= 257 (a byte-level BPE starts "
           f"from 256 byte tokens plus end-of-text)")
     _need(d.max_bytes >= 0 and d.tokenizer_sample_bytes > 0, "data.max_bytes must be >= 0 (0: no limit) and "

@@ -24,6 +24,7 @@ from ..parallel.parallel_model import ParallelModel
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .checkpoint_async import CheckpointSaver
 from .config import Config, TrainSection, model_config, parallel_config, to_dict, to_toml
+from .config_check import check_algorithm
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
@@ -55,8 +56,28 @@ def resolve_device(name: str) -> torch.device:
 
 def train(config: Config, progress: bool = True) -> dict[str, Any]:
     """Train as configured; returns the run's summary (the same on every rank)."""
+    check_same_config(config)  # first: ranks that differ in comm.algorithm get this error, not a mismatch
+    c = comm.current()
+    previous = c.preferred_algorithm
+    c.preferred_algorithm = preferred_algorithm(config, c.transport.kind)
+    try:
+        return _train(config, progress)
+    finally:  # a thread's communicator may outlive the run (comm.run_local)
+        c.preferred_algorithm = previous
+
+
+def preferred_algorithm(config: Config, transport_kind: str) -> str | None:
+    """What ``algorithm="auto"`` should resolve to for this run (``comm.algorithm``; None: the
+    cost model). Raises ``ConfigError`` when the name runs none of training's collectives on the
+    transport the run got (``validate`` cannot know it when ``comm.transport = "auto"``)."""
+    name = config.comm.algorithm
+    check_algorithm(name, [transport_kind], f"the {transport_kind} transport this run got "
+                    f"(comm.transport = {config.comm.transport!r})")
+    return None if name == "auto" else name
+
+
+def _train(config: Config, progress: bool) -> dict[str, Any]:
     t, p = config.train, config.parallel
-    check_same_config(config)
     torch.manual_seed(t.seed)
     device = resolve_device(t.device)
     _, tokenizer, tokens = prepare_data(config.data)
