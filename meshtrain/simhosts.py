@@ -22,7 +22,9 @@ Things found while writing it:
   ``node_rank(k)`` reads what host k actually got.
 * torchrun starts each worker in a session of its own, so a host's process group does not hold
   its workers. A host's processes are found by their mount namespace instead, which also finds
-  workers whose agent was killed (they are re-parented outside the host's process tree).
+  workers whose agent was killed (they are re-parented outside the host's process tree), and by
+  an environment variable every process of the host inherits: the kernel reuses a dead
+  namespace's number at once, so the number alone could name someone else's processes later.
 """
 
 from __future__ import annotations
@@ -79,6 +81,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _environ(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:  # gone
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """True until ``pid`` has finished dying (a zombie is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def _ns(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/mnt")
@@ -96,6 +115,18 @@ def _children(pid: int) -> list[int]:
     except OSError:
         pass
     return sorted(set(out))
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                out.add(link[8:-1])
+    except OSError:
+        pass
+    return out
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -143,7 +174,8 @@ class SimulatedHosts:
         self._env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_HOST_ID"}
         self._env.update({"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(env or {})})
         self._procs: list[subprocess.Popen] = []
-        self._mnt: list[str | None] = []
+        self._mnt: list[str | None] = []  # each host's mount namespace
+        self._marks: list[bytes] = []  # each host's environment mark
         own = _ns(os.getpid())
         for attempt in range(4):  # the port was free when picked; someone may take it before the agent binds it
             self.port = free_port()
@@ -156,7 +188,7 @@ class SimulatedHosts:
 
     def _launch(self, own_ns: str | None) -> None:
         run_id = f"simhosts-{uuid.uuid4().hex[:8]}"
-        self._procs, self._mnt = [], []
+        self._procs, self._mnt, self._marks = [], [], []
         for k in range(self.n):
             tmp = self.log_dir / f"host{k}.tmp"
             tmp.mkdir(exist_ok=True)
@@ -168,12 +200,14 @@ class SimulatedHosts:
                         "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={self._rdzv_timeout}",
                         "--local-addr", "127.0.0.1", "--max-restarts", str(self._max_restarts),
                         "--monitor-interval", "0.2", *self._extra, *self._worker]
+            mark = f"{run_id}-host{k}"  # inherited by every process of the host: see _host_pids
+            self._marks.append(f"MESHTRAIN_SIMHOST={mark}".encode())
             with open(self.log_dir / f"host{k}.out", "wb") as out, open(self.log_dir / f"host{k}.err", "wb") as err:
                 self._procs.append(subprocess.Popen(
                     [*_UNSHARE, "sh", "-c", _WRAPPER, "simhost", f"host{k}", self._shm_size,
                      str(self._shm_file(k)), *torchrun],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self._cwd,
-                    env={**self._env, "TMPDIR": str(tmp)}, start_new_session=True))
+                    env={**self._env, "TMPDIR": str(tmp), "MESHTRAIN_SIMHOST": mark}, start_new_session=True))
         for p in self._procs:  # unshare(2) runs just after exec: wait until the process has left our namespace
             deadline = time.monotonic() + 10
             while (ns := _ns(p.pid)) == own_ns and p.poll() is None and time.monotonic() < deadline:
@@ -185,8 +219,8 @@ class SimulatedHosts:
         the port was taken (the caller retries on another)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            inodes = _listening_inodes(self.port)
-            if inodes and any(f"socket:[{i}]" in self._fds(pid) for pid in self._host_pids(0) for i in inodes):
+            agent = self.agent_pid(0)
+            if agent is not None and _listening_inodes(self.port) & _socket_inodes(agent):
                 return True
             if self._procs[0].poll() is not None:
                 text = self.log(0).lower()
@@ -194,30 +228,18 @@ class SimulatedHosts:
             time.sleep(0.05)
         return True  # not seen listening: let wait() report whatever happened
 
-    @staticmethod
-    def _fds(pid: int) -> set[str]:
-        out = set()
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                except OSError:
-                    pass
-        except OSError:
-            pass
-        return out
-
     # -- inspection -------------------------------------------------------------------------------
 
     def _shm_file(self, k: int) -> Path:
         return self.log_dir / f"host{k}.shm-left"
 
     def _host_pids(self, k: int) -> list[int]:
-        """Every live process of host k: those in its mount namespace, and its wrapper."""
+        """Every live process of host k: its wrapper (our child, so its pid cannot be reused while
+        unreaped), and every process in its mount namespace that carries its environment mark."""
         pids = {self._procs[k].pid} if self._procs[k].poll() is None else set()
         if self._mnt[k] is not None:
             for name in os.listdir("/proc"):
-                if name.isdigit() and _ns(int(name)) == self._mnt[k]:
+                if name.isdigit() and _ns(int(name)) == self._mnt[k] and self._marks[k] in _environ(int(name)):
                     pids.add(int(name))
         return sorted(pids)
 
@@ -234,13 +256,9 @@ class SimulatedHosts:
     def node_rank(self, k: int) -> int | None:
         """The node rank host k got in the rendezvous (GROUP_RANK of its workers), once they run."""
         for pid in self.worker_pids(k):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for item in env:
+            for item in _environ(pid):
                 if item.startswith(b"GROUP_RANK="):
-                    return int(item.split(b"=", 1)[1])
+                    return int(item[11:])
         return None
 
     def log(self, k: int) -> str:
@@ -281,7 +299,8 @@ class SimulatedHosts:
         return pid
 
     def kill_host(self, k: int) -> None:
-        """SIGKILL every process of host k, as if the machine lost power, and reap its wrapper."""
+        """SIGKILL every process of host k, as if the machine lost power; returns once all are dead."""
+        killed: set[int] = set()
         for _ in range(100):  # again until none is left: a process may fork while we look
             pids = self._host_pids(k)
             if not pids:
@@ -289,12 +308,17 @@ class SimulatedHosts:
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
                 except ProcessLookupError:
                     pass
             self._procs[k].poll()
             time.sleep(0.02)
+        # A dying process leaves its namespace before it is a zombie: wait for the end of each.
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.01)
         try:
-            self._procs[k].wait(timeout=10)
+            self._procs[k].wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             pass
 
