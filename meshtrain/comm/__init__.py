@@ -55,8 +55,16 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
 
     from .transport.torchdist import TorchTransport, init_torch_distributed
 
+    from .liveness import die_with_parent, monitor_for
+
+    die_with_parent()  # under torchrun: a killed agent takes its workers along (no orphans)
     setup = timeout if init_timeout is None else init_timeout
     store, _ = init_torch_distributed(backend, timeout, setup)
+    # Heartbeats: a rank lost on any host stops every rank within seconds (liveness.py). The first
+    # beat is posted before the transport's world-wide rendezvous below, so every key exists after it.
+    liveness = monitor_for(store, dist.get_rank(), dist.get_world_size())
+    if liveness is not None:
+        liveness.announce()
     if transport == "torch" or (transport == "auto" and dist.get_backend() == "nccl"):
         t: Any = TorchTransport(store)
     else:
@@ -67,6 +75,12 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
                                  dist.get_world_size(), setup, remote=remote)
     hosts = getattr(t, "hosts", None)
     comm = Communicator(t, timeout=timeout, check=check, node_size=node_size, hosts=hosts)
+    if liveness is not None:
+        t.liveness = liveness  # the shm transport's waits raise PeerLost at once
+        if getattr(t, "remote", None) is not None:
+            t.remote.liveness = liveness
+        liveness.start(comm.hosts)
+        comm.liveness = liveness
     bind_process(comm)
     return comm
 
@@ -80,12 +94,22 @@ def is_initialized() -> bool:
         return False
 
 
-def destroy() -> None:
-    """Close the process's communicator (torch.distributed itself is left to its owner)."""
+def destroy(failure: BaseException | str | None = None) -> None:
+    """Close the process's communicator (torch.distributed itself is left to its owner).
+
+    ``failure``: this rank is shutting down because of that error; the other ranks are told at
+    once (their heartbeat monitors stop them, naming this rank and the error) instead of waiting
+    for it in their next collective.
+    """
     try:
         comm = current()
     except RuntimeError:
         return
+    liveness = getattr(comm, "liveness", None)
+    if liveness is not None:
+        why = None if failure is None else (failure if isinstance(failure, str)
+                                            else f"{type(failure).__name__}: {failure}".splitlines()[0])
+        liveness.stop(why)
     comm.close()
     bind_process(None)
 

@@ -119,6 +119,7 @@ class Communicator:
         self.hosts = list(hosts)
         self.world = Group(self, 0, range(self.world_size), timeout, torch_world)
         self.groups: list[Group] = [self.world]
+        self.liveness: Any = None  # the heartbeat monitor of a process world (comm.init)
 
     def new_group(self, ranks: Sequence[int] | None = None, timeout: float | None = None) -> Group:
         """Create a group of global ``ranks`` (all ranks of the world must call this, in order)."""

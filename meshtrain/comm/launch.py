@@ -47,7 +47,8 @@ def _unpack(data: bytes) -> Any:
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: float, check: bool,
-           fn: Callable[..., Any], args: tuple, results: Any, transport: str = "torch") -> None:
+           fn: Callable[..., Any], args: tuple, results: Any, transport: str = "torch",
+           host_id: str | None = None) -> None:
     try:
         import torch.distributed as dist
 
@@ -55,6 +56,8 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if host_id is not None:
+            os.environ["MESHTRAIN_HOST_ID"] = host_id
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=datetime.timedelta(seconds=comm_timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -86,12 +89,13 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
           backend: str = "gloo", comm_timeout: float = 30.0, check: bool = True,
-          transport: str = "torch") -> list[Any]:
+          transport: str = "torch", host_ids: list[str] | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return results in rank order.
 
     ``fn`` must be importable (a module-level function). ``timeout`` bounds the whole run;
     ``comm_timeout`` bounds each collective inside it; ``transport`` is passed to ``init``
-    (torch, shm or auto).
+    (torch, shm or auto); ``host_ids`` gives each rank a host id (``MESHTRAIN_HOST_ID``), so
+    that ``auto`` treats groups of ranks as hosts (shm inside, gloo between) on one machine.
     """
     import torch.distributed as dist
 
@@ -102,7 +106,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
     # until the garbage collector finds the queue, which an exception's traceback can delay.
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, comm_timeout, check,
-                                              fn, args, pipes[r][1], transport), daemon=True,
+                                              fn, args, pipes[r][1], transport,
+                                              None if host_ids is None else host_ids[r]), daemon=True,
                           name=f"meshtrain-rank{r}")
              for r in range(world_size)]
     for p in procs:

@@ -47,10 +47,14 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
         raise CollectiveError(f"the rendezvous port {addr} (MASTER_ADDR:MASTER_PORT) is already in use by another "
                               f"process; pick a free port (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
                               f"process that holds it") from exc
+    failure: BaseException | None = None
     try:
         return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
+    except BaseException as exc:
+        failure = exc  # the other ranks are told at once, not at their next collective's timeout
+        raise
     finally:
-        comm.destroy()
+        comm.destroy(failure)
 
 
 def _thread_rank(rank: int, config: Config, progress: bool) -> dict[str, Any]:

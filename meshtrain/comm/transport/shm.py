@@ -39,6 +39,7 @@ from ...errors import CollectiveError, CollectiveMismatch
 from ..work import Work
 from . import shm_memory as mem
 from .base import PeerTimeout, Transport
+from .progress import ProgressEngine
 from .shm_symmetric import SymmetricRegistry
 from .torchdist import host_identity
 
@@ -122,6 +123,12 @@ class ShmTransport(Transport):
         self._post_no: dict[tuple[int, int], int] = defaultdict(int)
         self._posted: dict[tuple[int, int, int], tuple[torch.Tensor | None, _ShmWork]] = {}
         self._stash: dict[tuple[int, int, int], torch.Tensor] = {}
+        # While this rank's thread blocks on gloo or the store, another thread moves its shm
+        # messages (see progress.py: otherwise a ring mixing shm and gloo links deadlocks).
+        self._engine = ProgressEngine(self.poll, f"meshtrain-progress-r{rank}")
+        self.liveness: Any = None  # comm.init sets the heartbeat monitor: a lost remote rank ends waits
+        if remote is not None:
+            remote.while_blocked = self._engine.blocked  # type: ignore[attr-defined]
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -232,10 +239,10 @@ class ShmTransport(Transport):
             out.copy_(data)
             work._finish(result)
 
-    def _pump_send(self, dst: int) -> None:
+    def _pump_send(self, dst: int) -> bool:
         q = self._txq[dst]
         if not q:
-            return
+            return False
         me = self.rank
         seg = self._segs[me]
         peer_tail = int(self._ctrl[dst][self.world_size + me])
@@ -256,14 +263,16 @@ class ShmTransport(Transport):
             if m.off >= total:
                 q.popleft()
                 m.work._finish(m.work._result)
+        moved = head != self._head[dst]
         self._head[dst] = head
+        return moved
 
-    def _pump_recv(self, src: int) -> None:
+    def _pump_recv(self, src: int) -> bool:
         me = self.rank
         avail = int(self._ctrl[src][me])
         tail = self._tail[src]
         if tail >= avail:
-            return
+            return False
         seg, hdr = self._segs[src], self._hdr[src]
         while tail < avail:
             k = me * SLOTS + tail % SLOTS
@@ -298,21 +307,26 @@ class ShmTransport(Transport):
                     else:
                         self._deliver(cur.target, posted[0], posted[1], posted[1]._result, src)
         self._tail[src] = tail
+        return True
 
-    def _progress_all(self) -> None:
+    def _progress_all(self) -> bool:
+        moved = False
         for r in self.local:
             if r != self.rank:
-                self._pump_send(r)
-                self._pump_recv(r)
+                moved = self._pump_send(r) | moved
+                moved = self._pump_recv(r) | moved
+        return moved
 
-    def poll(self) -> None:
-        """Move whatever can move now (called by waits elsewhere, so queued sends never stall)."""
+    def poll(self) -> bool:
+        """Move whatever can move now (called by waits elsewhere, so queued sends never stall);
+        True if anything moved."""
         if self._lock.acquire(blocking=False):
             try:
                 if not self._closed:
-                    self._progress_all()
+                    return self._progress_all()
             finally:
                 self._lock.release()
+        return False
 
     def _wait(self, work: _ShmWork, timeout: float | None) -> bool:
         def done() -> bool:
@@ -335,6 +349,8 @@ class ShmTransport(Transport):
 
     # -- liveness ------------------------------------------------------------------------------
     def _check_alive(self, ranks: Sequence[int], what: str) -> None:
+        if self.liveness is not None:
+            self.liveness.raise_if_lost()
         dead = [r for r in ranks if r in self._local_set and r != self.rank and not mem.alive(self.pids[r])]
         if dead:
             mem.remove_segments_of(self.pids[r] for r in dead)
@@ -396,6 +412,7 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         """Drop every mapping (names were unlinked at creation) and close the remote transport."""
+        self._engine.close()
         with self._lock:
             if self._closed:
                 return

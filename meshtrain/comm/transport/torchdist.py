@@ -8,11 +8,12 @@ its previous key once everyone has posted the next one (3 round trips per exchan
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import threading
-from typing import Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,20 +25,23 @@ from .base import PeerTimeout, Transport
 _FOREVER = datetime.timedelta(days=365)
 
 
-def _peer_failure(exc: BaseException, peer: int, what: str) -> BaseException:
+def _peer_failure(exc: BaseException, peer: int, what: str, liveness: Any = None) -> BaseException:
     text = str(exc)
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
         return PeerTimeout(f"{what} rank {peer} timed out", [peer])
+    # A closed connection says only that the peer is gone; the heartbeats say why (its error, or
+    # which rank behind it was lost), usually within a second.
+    why = liveness.why(peer) if liveness is not None else None
     return CollectiveError(
         f"{what} rank {peer} failed: {text.splitlines()[0] if text else type(exc).__name__} "
-        f"(rank {peer} has probably exited or crashed; see its log)"
+        + (f"-- {why}" if why else f"(rank {peer} has probably exited or crashed; see its log)")
     )
 
 
 class _TorchP2PWork(Work):
-    def __init__(self, work, peer: int, what: str, out: torch.Tensor | None) -> None:
+    def __init__(self, transport: "TorchTransport", work, peer: int, what: str, out: torch.Tensor | None) -> None:
         super().__init__(f"{what} rank {peer}")
-        self._w, self._peer, self._what, self._out = work, peer, what, out
+        self._t, self._w, self._peer, self._what, self._out = transport, work, peer, what, out
 
     def _progress(self, timeout: float | None) -> bool:
         if self._done.is_set():
@@ -45,9 +49,10 @@ class _TorchP2PWork(Work):
         if timeout == 0 and not self._w.is_completed():
             return False
         try:
-            self._w.wait(_FOREVER if timeout is None else datetime.timedelta(seconds=timeout))
+            with self._t.while_blocked():
+                self._w.wait(_FOREVER if timeout is None else datetime.timedelta(seconds=timeout))
         except Exception as exc:  # gloo raises RuntimeError for timeouts and closed connections
-            err = _peer_failure(exc, self._peer, self._what)
+            err = _peer_failure(exc, self._peer, self._what, self._t.liveness)
             self._finish(exc=err)
             raise err from None
         self._finish(self._out)
@@ -68,14 +73,26 @@ class TorchTransport(Transport):
         self.backend = str(dist.get_backend(group))
         self._last_key: dict[str, str] = {}
         self._store_timeout: float | None = None
+        # Entered around every blocking wait (gloo, the store): the shm transport that routes
+        # other-host peers here sets it, to keep its own messages moving meanwhile.
+        self.while_blocked: Callable[[], ContextManager[None]] = contextlib.nullcontext
+        self.liveness: Any = None  # comm.init sets the heartbeat monitor (names why a peer is gone)
 
     # The ProcessGroup's own send/recv: dist.isend's Python checks and logging wrappers cost
     # tens of microseconds per message, and an algorithm posts several messages per step.
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        return _TorchP2PWork(self._pg.send([tensor], dst, tag), dst, "send to", tensor)
+        try:
+            work = self._pg.send([tensor], dst, tag)
+        except RuntimeError as exc:  # the connection to dst is already closed
+            raise _peer_failure(exc, dst, "send to", self.liveness) from None
+        return _TorchP2PWork(self, work, dst, "send to", tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
-        return _TorchP2PWork(self._pg.recv([tensor], src, tag), src, "recv from", tensor)
+        try:
+            work = self._pg.recv([tensor], src, tag)
+        except RuntimeError as exc:
+            raise _peer_failure(exc, src, "recv from", self.liveness) from None
+        return _TorchP2PWork(self, work, src, "recv from", tensor)
 
     def exchange(self, key: str, ranks: Sequence[int], payload: str, timeout: float) -> list[str]:
         keys = [f"x/{key}/{r}" for r in ranks]
@@ -86,7 +103,8 @@ class TorchTransport(Transport):
                 self.store.set_timeout(datetime.timedelta(seconds=max(timeout, 0.001)))
                 self._store_timeout = timeout
             try:
-                raw = self.store.multi_get(keys)  # waits for every key: one round trip, not two
+                with self.while_blocked():
+                    raw = self.store.multi_get(keys)  # waits for every key: one round trip, not two
             except Exception as exc:  # DistStoreError on timeout
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     raise
@@ -103,9 +121,10 @@ class TorchTransport(Transport):
         except PeerTimeout:
             raise
         except Exception as exc:
+            why = self.liveness.why(None) if self.liveness is not None else None
             raise CollectiveError(
                 f"lost the rendezvous store while exchanging {key!r}: {exc} "
-                "(the store lives in the process of rank 0 or in the torchrun agent: is it alive?)"
+                + (f"-- {why}" if why else "(the store lives in the process of rank 0 or in the torchrun agent: is it alive?)")
             ) from None
 
     def host_id(self) -> str:
