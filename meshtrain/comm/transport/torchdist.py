@@ -13,6 +13,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
@@ -154,6 +155,8 @@ def connect_store(host: str, port: int, world_size: int, is_master: bool, timeou
     in torch's handshake with no timeout of its own, so the store is built on a daemon thread and
     abandoned, with an error naming the address, if it is not ready in time.
     """
+    if not is_master:
+        _await_listener(host, port, timeout)
     box: dict[str, object] = {}
 
     def build() -> None:
@@ -178,6 +181,24 @@ def connect_store(host: str, port: int, world_size: int, is_master: bool, timeou
     return box["store"]  # type: ignore[return-value]
 
 
+def _await_listener(host: str, port: int, timeout: float) -> None:
+    """Wait until something accepts TCP connections at host:port, or fail in one line naming it
+    (torch's client would log a retry and a C++ stack for every attempt before its own timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.05)).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise CollectiveError(
+                    f"rank {os.environ.get('RANK', '?')} could not reach the rendezvous store at {host}:{port} "
+                    f"(MASTER_ADDR:MASTER_PORT) within {timeout:g}s: nothing answers there. Check the address and "
+                    f"port (torchrun --rdzv-endpoint / --master-addr / --master-port) and that the first host's agent "
+                    f"(or rank 0) is running and reachable from this host") from None
+            time.sleep(0.1)
+
+
 def init_torch_distributed(backend: str | None, timeout: float,
                            init_timeout: float | None = None) -> tuple[dist.Store, None]:
     """Initialise torch.distributed from torchrun's environment unless it already is.
@@ -196,10 +217,10 @@ def init_torch_distributed(backend: str | None, timeout: float,
             )
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, world, host, port = _launch_env()
         # Under torchrun the agent hosts the store; otherwise rank 0 does (as env:// would).
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store: dist.Store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        store: dist.Store = connect_store(host, port, world,
                                           is_master=not agent_store and rank == 0,
                                           timeout=timeout if init_timeout is None else init_timeout,
                                           multi_tenant=not agent_store)
@@ -213,3 +234,32 @@ def init_torch_distributed(backend: str | None, timeout: float,
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store(), None
+
+
+def _launch_env() -> tuple[int, int, str, int]:
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, checked at once so that a bad value fails in
+    one line naming it on every host, not as a connect timeout or a traceback from the store."""
+    def integer(name: str, lo: int, hi: int) -> int:
+        raw = os.environ[name]
+        try:
+            value = int(raw)
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise CollectiveError(f"{name}={raw!r} is not an integer in {lo}..{hi}: fix the launcher's "
+                                  f"{'--master-port / --rdzv-endpoint' if name == 'MASTER_PORT' else name}")
+        return value
+
+    world = integer("WORLD_SIZE", 1, 1 << 24)
+    rank = integer("RANK", 0, world - 1)
+    port = integer("MASTER_PORT", 1, 65535)
+    host = os.environ["MASTER_ADDR"]
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise CollectiveError(
+            f"MASTER_ADDR={host!r} does not resolve on {socket.gethostname()} ({exc.args[-1]}): torchrun's agents "
+            f"advertise their hostname unless given an address, so where hostnames do not resolve give every "
+            f"host's torchrun --local-addr ADDRESS (an address of that host the others can reach; 127.0.0.1 for "
+            f"hosts simulated on one machine), or fix name resolution") from None
+    return rank, world, host, port
