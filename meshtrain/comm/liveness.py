@@ -207,13 +207,15 @@ def monitor_for(store: Any, rank: int, world_size: int) -> LivenessMonitor | Non
     import torch.distributed as dist
 
     host, port = address
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    from .transport.torchdist import round_prefix
+
+    prefix = f"{round_prefix() or 'meshtrain'}/liveness"
 
     def connect() -> Any:
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=max(PERIOD_S * 3, 3.0)))
 
-    return LivenessMonitor(connect, rank, world_size, prefix=f"meshtrain/liveness/attempt_{attempt}")
+    return LivenessMonitor(connect, rank, world_size, prefix=prefix)
 
 
 def die_with_parent() -> bool:

@@ -142,6 +142,10 @@ def main_torchrun(argv: list[str] | None = None) -> int:
     except MeshtrainError as exc:
         print(f"meshtrain.train: error: {exc}", file=sys.stderr)
         return 2
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and not config.checkpoint.resume:
+        # torchrun --max-restarts N: a restarted attempt must continue from the last checkpoint,
+        # as `meshtrain train --max-restarts` does, not train again from step 1
+        config.checkpoint.resume = "auto"
     if not config.out:
         raise SystemExit("meshtrain.train under torchrun: pass --out DIR (every rank must write to the same run "
                          "directory)")

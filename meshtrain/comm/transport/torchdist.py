@@ -199,6 +199,40 @@ def _await_listener(host: str, port: int, timeout: float) -> None:
             time.sleep(0.1)
 
 
+_ROUND = [""]  # the store prefix of this process's elastic round ("" outside torchrun)
+
+
+def round_prefix() -> str:
+    """The store prefix every worker of this elastic round shares ("" when not under torchrun)."""
+    return _ROUND[0]
+
+
+def elastic_round(store: dist.Store, rank: int, world: int, timeout: float) -> int:
+    """A number all workers of one torchrun round agree on, new for every round.
+
+    TORCHELASTIC_RESTART_COUNT is not one: an agent whose workers were healthy restarts them
+    without counting it when another host's agent restarts after a failure (a membership
+    change), so the hosts' workers would disagree. Each rank instead bumps its own counter in
+    the store once per start; a rank that lags (its predecessor died before getting here)
+    catches up to the highest, and the round is the value once every rank's counter holds it.
+    """
+    keys = [f"meshtrain/round/{r}" for r in range(world)]
+    store.add(keys[rank], 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        values = [store.add(k, 0) for k in keys]  # add 0 reads a counter (0 while absent)
+        top = max(values)
+        if values[rank] < top:
+            store.add(keys[rank], top - values[rank])
+        elif all(v == top for v in values):
+            return top
+        elif time.monotonic() > deadline:
+            missing = [r for r, v in enumerate(values) if v < top]
+            raise PeerTimeout(f"ranks {missing} never arrived at the start of elastic round {top}", missing)
+        else:
+            time.sleep(0.01)
+
+
 def init_torch_distributed(backend: str | None, timeout: float,
                            init_timeout: float | None = None) -> tuple[dist.Store, None]:
     """Initialise torch.distributed from torchrun's environment unless it already is.
@@ -224,11 +258,11 @@ def init_torch_distributed(backend: str | None, timeout: float,
                                           is_master=not agent_store and rank == 0,
                                           timeout=timeout if init_timeout is None else init_timeout,
                                           multi_tenant=not agent_store)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is not None:
-            # Under the elastic agent the store can outlive a failed attempt: gloo would read the
-            # dead workers' addresses from it and fail to connect. Key everything by the attempt.
-            store = dist.PrefixStore(f"meshtrain/attempt_{restart}", store)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # Under the elastic agent the store outlives a failed attempt: gloo would read the dead
+            # workers' addresses from it and fail to connect. Key everything by the round.
+            _ROUND[0] = f"meshtrain/round_{elastic_round(store, rank, world, init_timeout or timeout)}"
+            store = dist.PrefixStore(_ROUND[0], store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
     from torch.distributed.distributed_c10d import _get_default_store
