@@ -19,6 +19,11 @@ from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, broadcast, reduce,
                           reduce_scatter, reduce_scatter_tensor)
 from .communicator import Communicator, Group, bind_process, current
+from .compat import (GroupMember, P2POp, all_gather_object, batch_isend_irecv, broadcast_object_list,
+                     destroy_process_group, gather_object, get_backend, get_global_rank, get_group_rank,
+                     get_process_group_ranks, group, init_process_group, is_available,
+                     is_torchelastic_launched, monitored_barrier, new_subgroups, new_subgroups_by_enumeration,
+                     scatter_object_list)
 from .fusion import all_reduce_coalesced
 from .local_run import run_local
 from .p2p import irecv, isend, recv, send
@@ -34,6 +39,11 @@ __all__ = [
     "send", "recv", "isend", "irecv", "symmetric_empty", "stats", "reset_stats", "flight_recorder",
     "dump_flight_recorder", "calibrate", "ReduceOp", "Work", "Group", "Communicator",
     "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
+    # torch.distributed's remaining names (compat.py)
+    "is_available", "init_process_group", "destroy_process_group", "get_backend", "is_torchelastic_launched",
+    "group", "GroupMember", "new_subgroups", "new_subgroups_by_enumeration", "get_process_group_ranks",
+    "get_global_rank", "get_group_rank", "broadcast_object_list", "all_gather_object", "gather_object",
+    "scatter_object_list", "P2POp", "batch_isend_irecv", "monitored_barrier",
 ]
 
 
@@ -154,3 +164,8 @@ def calibrate(group: Group | None = None, force: bool = True):
     from .select import calibrate as _cal
 
     return _cal(group or current().world, force=force)
+
+
+# torch.distributed's new_group (timeout as a timedelta, backend=, use_local_synchronization=, ...)
+# replaces the definition above; it calls the same Communicator.new_group.
+from .compat import new_group  # noqa: E402,F811

@@ -23,8 +23,10 @@ from .work import Work
 def _group(group: Group | None) -> Group:
     if group is None:
         return current().world
-    if not isinstance(group, Group):
-        raise ValueError(f"invalid group {group!r}: pass a group made by meshtrain.comm.new_group(), or None")
+    if not isinstance(group, Group):  # a torch.distributed ProcessGroup maps to its meshtrain group
+        from .compat import from_torch_group
+
+        group = from_torch_group(group)  # ValueError if it has none
     if group.rank < 0:  # checked first: a non-member must not even join the algorithm choice
         raise ValueError(f"rank {group.comm.rank} is not a member of group {group.gid} (ranks {group.ranks}); "
                          "only members may call its collectives")

@@ -117,8 +117,9 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     return runner.run(g, "all_to_all", meta, body, async_op, nbytes, pairwise=(sends, recvs))
 
 
-def barrier(group: Group | None = None, async_op: bool = False) -> Work | None:
-    """Block until every rank of the group has called barrier."""
+def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
+    """Block until every rank of the group has called barrier (``device_ids``: accepted for
+    torch.distributed's signature; meshtrain needs no device to synchronise)."""
     g = _group(group)
     if g.comm.transport.kind == "torch" and not g.comm.check:
         return runner.run(g, "barrier", _meta([], torch.float32, "native"),
