@@ -69,12 +69,19 @@ class CostModel:
             return {"tree": lg * (a + n * b),
                     "ring": (p - 2 + s) * (a + n / s * b),
                     "direct": (p - 1) * (a + n * b)}[algorithm]
+        # hierarchical, with m = p / nodes ranks per node: a step inside the node, a ring of whole
+        # nodes among the leaders, lg m broadcast steps of the other nodes' blocks inside the node
+        lm, fn = math.ceil(math.log2(max(p // max(nodes, 1), 1))), (nodes - 1) / max(nodes, 1)
         if op == "all_gather":
             return {"ring": (p - 1) * a + f * n * b,
                     "recursive_doubling": lg * a + f * n * b + n * b / 4,
+                    "hierarchical": ((nodes - 1 + 2 * lm) * a + (fn + lm * fn + 1 / nodes) * n * b)
+                    if nodes > 1 else math.inf,
                     "direct": (p - 1) * a + f * n * b * 1.2}[algorithm]
         if op == "reduce_scatter":
             return {"ring": (p - 1) * a + f * n * (b + g),
+                    "hierarchical": ((nodes - 1 + 2 * lm) * a + (lm + fn) * n * (b + g) + lm * n / nodes * b)
+                    if nodes > 1 else math.inf,
                     "direct": (p - 1) * a + f * n * b * 1.2 + f * n * g}[algorithm]
         if op in ("gather", "scatter"):
             return {"tree": lg * a + f * n * b, "direct": (p - 1) * a + f * n * b}[algorithm]

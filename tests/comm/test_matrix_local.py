@@ -17,6 +17,9 @@ WORLDS = st.sampled_from([1, 2, 3, 4, 5, 7, 8])
 DTYPES = st.sampled_from(FLOATS + INTS)
 SHAPES = st.sampled_from([(0,), (1,), (7,), (13,), (31,), (3, 5), (2, 0, 3), (4, 1, 2)])
 SEEDS = st.integers(0, 10_000)
+# ranks per simulated host (run_local's ranks_per_node): the hierarchical algorithms group by host,
+# so this gives them several nodes, uneven ones (p % k != 0), and one rank per node (k = 1)
+NODES = st.sampled_from([None, 1, 2, 3])
 
 
 def _ops_for(dtype):
@@ -31,8 +34,9 @@ def _group_ranks(p: int, pick: int) -> list[int]:
     return ranks[::-1] if pick % 4 == 1 else ranks
 
 
-@given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, op_pick=st.integers(0, 4), gpick=st.integers(0, 11))
-def test_all_reduce_every_algorithm(p, dtype, shape, seed, op_pick, gpick):
+@given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, op_pick=st.integers(0, 4), gpick=st.integers(0, 11),
+       rpn=NODES)
+def test_all_reduce_every_algorithm(p, dtype, shape, seed, op_pick, gpick, rpn):
     op = _ops_for(dtype)[op_pick % len(_ops_for(dtype))]
     granks = _group_ranks(p, gpick)
 
@@ -44,7 +48,7 @@ def test_all_reduce_every_algorithm(p, dtype, shape, seed, op_pick, gpick):
         want = reduce_ref(xs, op)
         outs = {}
         for algo in REGISTRY["all_reduce"]:
-            for node in ((1, 2, 3) if algo == "hierarchical" else (None,)):
+            for node in ((None, 1, 2, 3) if algo == "hierarchical" else (None,)):
                 mc.current().node_size = node
                 t = make_input(seed, rank, shape, dtype, op)
                 mc.all_reduce(t, op=op, group=g, algorithm=algo)
@@ -52,7 +56,7 @@ def test_all_reduce_every_algorithm(p, dtype, shape, seed, op_pick, gpick):
                 outs[(algo, node)] = t
         return outs
 
-    res = [r for r in mc.run_local(p, fn, timeout=30) if r is not None]
+    res = [r for r in mc.run_local(p, fn, timeout=30, ranks_per_node=rpn) if r is not None]
     for key in res[0]:  # every rank holds bitwise the same result
         assert all(torch.equal(r[key], res[0][key]) for r in res), key
 
@@ -80,8 +84,8 @@ def test_reduce_and_broadcast(p, dtype, shape, seed, root_pick, op_pick):
     mc.run_local(p, fn, timeout=30)
 
 
-@given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, gpick=st.integers(0, 11))
-def test_all_gather_both_forms(p, dtype, shape, seed, gpick):
+@given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, gpick=st.integers(0, 11), rpn=NODES)
+def test_all_gather_both_forms(p, dtype, shape, seed, gpick, rpn):
     granks = _group_ranks(p, gpick)
 
     def fn(rank):
@@ -97,26 +101,33 @@ def test_all_gather_both_forms(p, dtype, shape, seed, gpick):
             mc.all_gather_into_tensor(flat, make_input(seed, rank, shape, dtype), group=g, algorithm=algo)
             assert torch.equal(flat, torch.cat(xs)), algo
 
-    mc.run_local(p, fn, timeout=30)
+    mc.run_local(p, fn, timeout=30, ranks_per_node=rpn)
 
 
-@given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, op_pick=st.integers(0, 4))
-def test_reduce_scatter_both_forms(p, dtype, shape, seed, op_pick):
+@given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, op_pick=st.integers(0, 4), gpick=st.integers(0, 11),
+       rpn=NODES)
+def test_reduce_scatter_both_forms(p, dtype, shape, seed, op_pick, gpick, rpn):
     op = _ops_for(dtype)[op_pick % len(_ops_for(dtype))]
+    granks = _group_ranks(p, gpick)
+    q = len(granks)
 
     def fn(rank):
-        # rank r contributes make_input(seed, r*p + j) as its part j
-        parts = [[make_input(seed, r * p + j, shape, dtype, op) for j in range(p)] for r in range(p)]
-        want = reduce_ref([parts[r][rank] for r in range(p)], op)
+        g = mc.new_group(granks)
+        if rank not in granks:
+            return
+        # group rank i contributes make_input(seed, i*q + j) as its part j
+        parts = [[make_input(seed, i * q + j, shape, dtype, op) for j in range(q)] for i in range(q)]
+        me = granks.index(rank)
+        want = reduce_ref([parts[i][me] for i in range(q)], op)
         for algo in REGISTRY["reduce_scatter"]:
             out = torch.empty(shape, dtype=dtype)
-            mc.reduce_scatter(out, [t.clone() for t in parts[rank]], op=op, algorithm=algo)
-            assert_reduced(out, want, op, p)
+            mc.reduce_scatter(out, [t.clone() for t in parts[me]], op=op, group=g, algorithm=algo)
+            assert_reduced(out, want, op, q)
             out2 = torch.empty(shape, dtype=dtype)
-            mc.reduce_scatter_tensor(out2, torch.cat(parts[rank]), op=op, algorithm=algo)
-            assert_reduced(out2, want, op, p)
+            mc.reduce_scatter_tensor(out2, torch.cat(parts[me]), op=op, group=g, algorithm=algo)
+            assert_reduced(out2, want, op, q)
 
-    mc.run_local(p, fn, timeout=30)
+    mc.run_local(p, fn, timeout=30, ranks_per_node=rpn)
 
 
 @given(p=WORLDS, dtype=DTYPES, shape=SHAPES, seed=SEEDS, root_pick=st.integers(0, 7))
