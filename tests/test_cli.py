@@ -39,6 +39,13 @@ def test_bench_comm_other_ops_check_results(op, tmp_path):
     (["--sizes", "64M:1K"], "bad size range"),
     (["--world", "two"], "--world"),
     (["--op", "all_gather", "--algorithms", "shm_symmetric"], "shm_symmetric runs all_reduce only"),
+    (["--hosts", "0"], "--hosts must be a whole number of simulated hosts >= 1"),
+    (["--hosts", "two"], "--hosts: invalid int value"),
+    (["--hosts", "1", "--world", "1"], "at least 2 ranks"),
+    (["--hosts", "2", "--algorithms", "shm"], "cannot run all_reduce across hosts"),
+    (["--hosts", "2", "--op", "all_gather", "--algorithms", "halving_doubling"], "cannot run all_gather across hosts"),
+    (["--hosts", "2", "--transport", "shm"], "--transport does not apply with --hosts"),
+    (["--hosts", "2", "--op", "broadcast"], "--hosts times all_reduce, all_gather, reduce_scatter"),
 ])
 def test_bench_comm_bad_input_exits_nonzero_with_message(args, needle, tmp_path):
     js = tmp_path / "never.json"

@@ -17,14 +17,25 @@ ONLY_ON = {"native": "torch", "shm": "shm", "shm_symmetric": "shm"}  # algorithm
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``meshtrain bench comm``."""
-    p.add_argument("--transport", default="torch",
-                   help="comma list of local,torch,shm (default: torch = gloo processes; shm = shared memory)")
-    p.add_argument("--world", default="2", help="number of ranks; a comma list runs each (default: 2)")
+    p.add_argument("--transport", default=None,
+                   help="comma list of local,torch,shm (default: torch = gloo processes; shm = shared memory); "
+                        "not with --hosts")
+    p.add_argument("--hosts", type=int, default=None, metavar="N",
+                   help="run across N simulated hosts (Linux namespaces, root: each has its own hostname and "
+                        "/dev/shm and runs one torchrun) with --world ranks on EACH host, so N x WORLD ranks in all; "
+                        "meshtrain uses shared memory inside a host and gloo between hosts "
+                        "(init(transport='auto')); times algorithm=auto plus --algorithms against "
+                        "torch.distributed's gloo collective in the same processes (interleaved trials) and reports "
+                        "the busbw ratio; ops all_reduce, all_gather, reduce_scatter")
+    p.add_argument("--world", default="2",
+                   help="number of ranks (with --hosts: ranks per host); a comma list runs each (default: 2)")
     p.add_argument("--op", default="all_reduce", choices=OPS, help="collective to time")
-    p.add_argument("--algorithms", default="ring,halving_doubling,shm,native",
-                   help="comma list; 'native' is torch.distributed's own (torch transport only), "
+    p.add_argument("--algorithms", default=None,
+                   help="comma list (default: ring,halving_doubling,shm,native; with --hosts: auto); "
+                        "'native' is torch.distributed's own (torch transport only), "
                         "'shm' works on shared buffers (shm transport only); 'shm_symmetric' is shm "
-                        "all_reduce of a tensor from comm.symmetric_empty, reduced in place")
+                        "all_reduce of a tensor from comm.symmetric_empty, reduced in place; with --hosts "
+                        "auto and gloo's collective always run, and shm/shm_symmetric cannot (they need one host)")
     p.add_argument("--sizes", default="1K:64M", help="LO:HI geometric range or comma list, e.g. 1K:64M or 16M,64M")
     p.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes of a LO:HI range")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -48,8 +59,10 @@ def _fail(msg: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; returns the exit code."""
-    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
-    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    if args.hosts is not None:
+        return _main_hosts(args)
+    transports = [t.strip() for t in (args.transport or "torch").split(",") if t.strip()]
+    algos = [a.strip() for a in (args.algorithms or "ring,halving_doubling,shm,native").split(",") if a.strip()]
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
         return _fail(f"unknown transport {bad or transports}: use local, torch and/or shm, e.g. --transport shm,torch")
@@ -102,6 +115,76 @@ def main(args: argparse.Namespace) -> int:
         print(f"# wrote {args.json_path}")
     if args.plot_path:
         report.plot_busbw(records, args.plot_path, f"{args.op} busbw ({args.dtype})", mem)
+        print(f"# wrote {args.plot_path}")
+    return 1 if wrong else 0
+
+
+HOSTS_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _main_hosts(args: argparse.Namespace) -> int:
+    """``--hosts N``: the bench across N simulated hosts, against gloo (see ``comm_hosts``)."""
+    from ..comm.algorithms import algorithms_for
+    from ..simhosts import namespaces_unavailable
+    from . import comm_hosts
+
+    if args.hosts < 1:
+        return _fail(f"--hosts must be a whole number of simulated hosts >= 1, got {args.hosts}")
+    if args.transport is not None:
+        return _fail("--transport does not apply with --hosts: ranks use shared memory inside a simulated "
+                     "host and gloo between hosts; drop --transport")
+    if args.calibrate or args.floor:
+        return _fail("--calibrate and --floor are single-host measurements; drop them with --hosts")
+    if args.op not in HOSTS_OPS:
+        return _fail(f"--hosts times {', '.join(HOSTS_OPS)}, not {args.op}")
+    try:
+        worlds = [int(w) for w in args.world.split(",")]
+        sizes = report.parse_sizes(args.sizes, args.factor)
+    except ValueError as exc:
+        return _fail(f"{exc} (e.g. --hosts 2 --world 2 --sizes 1K:64M)")
+    if any(w < 1 for w in worlds) or not sizes:
+        return _fail("--world (ranks per host) must be >= 1 and --sizes must name at least one size")
+    if any(w * args.hosts < 2 for w in worlds):
+        return _fail("--hosts x --world must be at least 2 ranks")
+    valid = [a for a in algorithms_for(args.op, "shm") if a != "shm"]
+    named = [a.strip() for a in (args.algorithms or "auto").split(",") if a.strip()]
+    bad = [a for a in named if a not in (*valid, "auto", "native")]
+    if bad:
+        return _fail(f"algorithm {bad} cannot run {args.op} across hosts: choose from {', '.join(valid)} "
+                     "(auto and gloo's own collective always run)")
+    algos = ["auto"] + [a for a in named if a not in ("auto", "native")] + ["native"]
+    reason = namespaces_unavailable()
+    if reason:
+        return _fail(f"--hosts needs simulated hosts, which this machine cannot run: {reason}")
+    records: list[dict[str, Any]] = []
+    mem = memcpy_gbps()
+    print(f"# single-core memcpy: {mem:.2f} GB/s (physical anchor)")
+    for world in worlds:
+        cfg = {"op": args.op, "algorithms": algos, "sizes": sizes, "dtype": args.dtype, "iters": args.iters,
+               "warmup": args.warmup, "trials": args.trials, "target_s": 0.2, "check": args.check,
+               "timeout": args.timeout}
+        try:
+            out = comm_hosts.run_hosts(args.hosts, world, cfg, timeout=args.timeout * 4 + 300 + 60 * len(sizes))
+        except comm_hosts.HostsRunFailed as exc:
+            return _fail(f"the run on {args.hosts} simulated hosts x {world} ranks failed: {exc}")
+        for algo in algos:
+            print(report.header(f"hosts={args.hosts} x {world} ranks (shm in a host, gloo between) op={args.op} "
+                                f"algorithm={'gloo (torch.distributed, native)' if algo == 'native' else algo}"))
+            for r in out["records"]:
+                if r["algorithm"] == algo:
+                    print(report.row(r))
+            print()
+        records += out["records"]
+    comm_hosts.add_ratios(records)
+    comm_hosts.print_ratio_table(records)
+    wrong = sum(r["wrong"] for r in records)
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    if args.json_path:
+        report.write_json(records, args.json_path, {"memcpy_GBps": mem, "hosts": args.hosts,
+                                                    "ranks_per_host": worlds})
+        print(f"# wrote {args.json_path}")
+    if args.plot_path:
+        comm_hosts.plot(records, args.plot_path, f"{args.op} across {args.hosts} simulated hosts ({args.dtype})")
         print(f"# wrote {args.plot_path}")
     return 1 if wrong else 0
 
