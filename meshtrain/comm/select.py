@@ -209,6 +209,19 @@ def preferred(group, op: str) -> str | None:
     return name
 
 
+# Sizes (bytes) from which auto takes hierarchical on a group spanning hosts with shm inside each
+# (below 1 MiB the model's recursive doubling or tree did as well for all_reduce).
+HIERARCHICAL_FROM = {"all_reduce": 1 << 20, "all_gather": 0, "reduce_scatter": 0}
+
+
+def _hosts_on_shm(group) -> bool:
+    """True if ``group`` spans hosts on the shm transport (gloo between them) and some host holds
+    two or more of its ranks, so hierarchical's steps inside a host run on shared memory."""
+    t = group.comm.transport
+    return (t.kind == "shm" and group.size > 1 and not t.is_local(group.ranks)
+            and 1 < len(set(group.hosts)) < group.size)
+
+
 def choose(group, op: str, nbytes: int) -> str:
     """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member),
     or the communicator's preferred algorithm where it is valid for ``op`` on ``group``."""
@@ -223,6 +236,13 @@ def choose(group, op: str, nbytes: int) -> str:
         # 2-2.5x too cheaply there (a ring step both sends and receives, so each core copies
         # every byte twice, and each message pays the transport's per-message work).
         return "shm"
+    if nbytes >= HIERARCHICAL_FROM.get(op, math.inf) and _hosts_on_shm(group):
+        # Across hosts with shared memory inside each (transport "auto" off CUDA): hierarchical,
+        # whose steps inside a host run the shm collectives, beat every other algorithm for these
+        # ops and sizes on 2 simulated hosts x 2 ranks (docs/benchmarks.md, "Across 2 simulated
+        # hosts"), while the model prices every link alike (fitted between group ranks 0 and 1,
+        # often on one host) and chose halving-doubling, recursive doubling or ring: 0.5-0.9x gloo.
+        return "hierarchical"
     names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
     if len(names) == 1 or group.size == 1:
         return names[0]
