@@ -238,10 +238,11 @@ def choose(group, op: str, nbytes: int) -> str:
         return "shm"
     if nbytes >= HIERARCHICAL_FROM.get(op, math.inf) and _hosts_on_shm(group):
         # Across hosts with shared memory inside each (transport "auto" off CUDA): hierarchical,
-        # whose steps inside a host run the shm collectives, beat every other algorithm for these
-        # ops and sizes on 2 simulated hosts x 2 ranks (docs/benchmarks.md, "Across 2 simulated
-        # hosts"), while the model prices every link alike (fitted between group ranks 0 and 1,
-        # often on one host) and chose halving-doubling, recursive doubling or ring: 0.5-0.9x gloo.
+        # whose steps inside a host run the shm collectives, beat the model's choices for these ops
+        # and sizes on 2 simulated hosts x 2 ranks (docs/benchmarks.md, "Across 2 simulated
+        # hosts"): the model prices every link alike (fitted between group ranks 0 and 1, often
+        # on one host) and chose halving-doubling, recursive doubling or ring: 0.7-0.9x gloo for
+        # all_reduce and all_gather at 1-16 MB, where hierarchical ran 1.0-1.45x faster.
         return "hierarchical"
     names = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None or op == "barrier"]
     if len(names) == 1 or group.size == 1:
