@@ -214,16 +214,9 @@ def _symmetric(rank: int) -> dict:
     """All-reduce a symmetric tensor (what DDP's buckets are on shm) under each preference: the
     algorithm recorded, whether the in-place path ran, and whether the sum is right."""
     import meshtrain.comm as mc
-    from meshtrain.comm.algorithms import shm_direct
+    from tests.comm.test_shm_symmetric import _count_in_place
 
-    taken = [0]
-    real = shm_direct.all_reduce_symmetric
-
-    def counted(*a):
-        taken[0] += 1
-        return real(*a)
-
-    shm_direct.all_reduce_symmetric = counted
+    taken = _count_in_place()
     p, out = mc.get_world_size(), {}
     t = mc.symmetric_empty(100_000)
     for pref in (None, "ring", "shm", "native"):
