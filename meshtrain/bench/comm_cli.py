@@ -57,6 +57,18 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _worlds_and_sizes(args: argparse.Namespace, example: str, world_name: str) -> tuple[list[int], list[int]] | int:
+    """--world and --sizes parsed, or the exit code of a one-line error naming them."""
+    try:
+        worlds = [int(w) for w in args.world.split(",")]
+        sizes = report.parse_sizes(args.sizes, args.factor)
+    except ValueError as exc:
+        return _fail(f"{exc} (e.g. {example})")
+    if any(w < 1 for w in worlds) or not sizes:
+        return _fail(f"{world_name} must be >= 1 and --sizes must name at least one size")
+    return worlds, sizes
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; returns the exit code."""
     if args.hosts is not None:
@@ -71,13 +83,10 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"unknown algorithm {unknown or algos}: choose from {', '.join(ALGOS)}")
     if "shm_symmetric" in algos and args.op != "all_reduce":
         return _fail(f"shm_symmetric runs all_reduce only, not {args.op}: drop it or use --op all_reduce")
-    try:
-        worlds = [int(w) for w in args.world.split(",")]
-        sizes = report.parse_sizes(args.sizes, args.factor)
-    except ValueError as exc:
-        return _fail(f"{exc} (e.g. --world 2,4 --sizes 1K:64M)")
-    if any(w < 1 for w in worlds) or not sizes:
-        return _fail("--world must be >= 1 and --sizes must name at least one size")
+    parsed = _worlds_and_sizes(args, "--world 2,4 --sizes 1K:64M", "--world")
+    if isinstance(parsed, int):
+        return parsed
+    worlds, sizes = parsed
     mem = memcpy_gbps()
     print(f"# single-core memcpy: {mem:.2f} GB/s (physical anchor)")
     records: list[dict[str, Any]] = []
@@ -137,13 +146,10 @@ def _main_hosts(args: argparse.Namespace) -> int:
         return _fail("--calibrate and --floor are single-host measurements; drop them with --hosts")
     if args.op not in HOSTS_OPS:
         return _fail(f"--hosts times {', '.join(HOSTS_OPS)}, not {args.op}")
-    try:
-        worlds = [int(w) for w in args.world.split(",")]
-        sizes = report.parse_sizes(args.sizes, args.factor)
-    except ValueError as exc:
-        return _fail(f"{exc} (e.g. --hosts 2 --world 2 --sizes 1K:64M)")
-    if any(w < 1 for w in worlds) or not sizes:
-        return _fail("--world (ranks per host) must be >= 1 and --sizes must name at least one size")
+    parsed = _worlds_and_sizes(args, "--hosts 2 --world 2 --sizes 1K:64M", "--world (ranks per host)")
+    if isinstance(parsed, int):
+        return parsed
+    worlds, sizes = parsed
     if any(w * args.hosts < 2 for w in worlds):
         return _fail("--hosts x --world must be at least 2 ranks")
     valid = [a for a in algorithms_for(args.op, "shm") if a != "shm"]

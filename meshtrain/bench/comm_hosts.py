@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import report
+
 WORKER = "meshtrain.bench.hosts_worker"
 ROOT = Path(__file__).resolve().parents[2]  # the workers import meshtrain from here, as this process does
 
@@ -112,11 +114,5 @@ def plot(records: list[dict[str, Any]], path: str, title: str) -> None:
     bottom.set_xlabel("message size (bytes)")
     bottom.set_xscale("log", base=2)
     top.set_title(title)
-    for ax in (top, bottom):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, [top, bottom], path)
 

@@ -94,8 +94,16 @@ def plot_busbw(records: list[dict[str, Any]], path: str, title: str, memcpy_gbps
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    save_figure(fig, [ax], path)
+
+
+def save_figure(fig: Any, axes: list[Any], path: str) -> None:
+    """Grid and legend on every axis, then write ``fig`` to ``path`` as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
