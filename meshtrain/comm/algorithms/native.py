@@ -17,7 +17,19 @@ _TORCH_OPS = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.PROD: dist.ReduceOp.PRODUCT,
     ReduceOp.AVG: dist.ReduceOp.SUM,  # gloo has no AVG everywhere; the caller divides
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
+# meshtrain's own algorithms move these; torch's gloo and NCCL collectives refuse them.
+_NO_NATIVE = (torch.int16,)
+
+
+def _check(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in _NO_NATIVE:
+        raise RuntimeError(f"algorithm='native' cannot move {t.dtype}: torch.distributed's gloo and NCCL "
+                           "collectives do not support it; use algorithm='auto' (meshtrain's own algorithms do)")
+    return t
 
 
 def torch_op(op: ReduceOp) -> dist.ReduceOp:
@@ -32,27 +44,27 @@ def order(ranks: list[int]) -> list[int]:
 
 def all_reduce(pg, buf: torch.Tensor, op: ReduceOp) -> None:
     """torch.distributed.all_reduce."""
-    dist.all_reduce(buf, torch_op(op), group=pg)
+    dist.all_reduce(_check(buf), torch_op(op), group=pg)
 
 
 def reduce(pg, buf: torch.Tensor, op: ReduceOp, root_global: int) -> None:
     """torch.distributed.reduce."""
-    dist.reduce(buf, root_global, torch_op(op), group=pg)
+    dist.reduce(_check(buf), root_global, torch_op(op), group=pg)
 
 
 def broadcast(pg, buf: torch.Tensor, root_global: int) -> None:
     """torch.distributed.broadcast."""
-    dist.broadcast(buf, root_global, group=pg)
+    dist.broadcast(_check(buf), root_global, group=pg)
 
 
 def all_gather(pg, ranks: list[int], outs: list[torch.Tensor], inp: torch.Tensor) -> None:
     """torch.distributed.all_gather into ``outs`` (meshtrain group order)."""
-    dist.all_gather([outs[i] for i in order(ranks)], inp, group=pg)
+    dist.all_gather([outs[i] for i in order(ranks)], _check(inp), group=pg)
 
 
 def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> None:
     """torch.distributed.reduce_scatter with ``ins`` in meshtrain group order."""
-    dist.reduce_scatter(out, [ins[i] for i in order(ranks)], torch_op(op), group=pg)
+    dist.reduce_scatter(_check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
 
 
 def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
@@ -62,7 +74,7 @@ def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.T
     outs_t = [outs[i] for i in perm]
     flat_in = torch.cat(ins_t) if ins_t else torch.empty(0)
     flat_out = torch.empty(sum(o.numel() for o in outs_t), dtype=flat_in.dtype)
-    dist.all_to_all_single(flat_out, flat_in, [o.numel() for o in outs_t], [t.numel() for t in ins_t], group=pg)
+    dist.all_to_all_single(flat_out, _check(flat_in), [o.numel() for o in outs_t], [t.numel() for t in ins_t], group=pg)
     off = 0
     for o in outs_t:
         o.view(-1).copy_(flat_out[off : off + o.numel()])
@@ -72,13 +84,13 @@ def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.T
 def gather(pg, ranks: list[int], inp: torch.Tensor, outs: list[torch.Tensor] | None, root_global: int) -> None:
     """torch.distributed.gather (``outs`` in meshtrain group order, on the root only)."""
     lst = [outs[i] for i in order(ranks)] if outs is not None else None
-    dist.gather(inp, lst, dst=root_global, group=pg)
+    dist.gather(_check(inp), lst, dst=root_global, group=pg)
 
 
 def scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor] | None, root_global: int) -> None:
     """torch.distributed.scatter (``ins`` in meshtrain group order, on the root only)."""
     lst = [ins[i] for i in order(ranks)] if ins is not None else None
-    dist.scatter(out, lst, src=root_global, group=pg)
+    dist.scatter(_check(out), lst, src=root_global, group=pg)
 
 
 def barrier(pg) -> None:
