@@ -27,7 +27,7 @@ from .compat import (GroupMember, P2POp, all_gather_object, batch_isend_irecv, b
 from .fusion import all_reduce_coalesced
 from .local_run import run_local
 from .p2p import irecv, isend, recv, send
-from .personalized import all_to_all, barrier, gather, scatter
+from .personalized import all_to_all, all_to_all_single, barrier, gather, scatter
 from .symmetric import symmetric_empty
 from .types import ReduceOp
 from .work import Work
@@ -35,7 +35,7 @@ from .work import Work
 __all__ = [
     "init", "destroy", "is_initialized", "run_local", "new_group", "get_rank", "get_world_size",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "gather", "scatter", "barrier", "all_reduce_coalesced",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "all_reduce_coalesced",
     "send", "recv", "isend", "irecv", "symmetric_empty", "stats", "reset_stats", "flight_recorder",
     "dump_flight_recorder", "calibrate", "ReduceOp", "Work", "Group", "Communicator",
     "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",

@@ -117,6 +117,49 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     return runner.run(g, "all_to_all", meta, body, async_op, nbytes, pairwise=(sends, recvs))
 
 
+def _splits(t: torch.Tensor, sizes: Any, p: int, name: str, what: str) -> list[torch.Tensor]:
+    """``t`` cut along dim 0 into ``sizes`` (None: p equal parts) as views, so writes land in ``t``."""
+    rows = t.shape[0] if t.dim() else 1
+    if sizes is None or len(sizes) == 0:
+        if rows % p:
+            raise ValueError(f"all_to_all_single: {what} has {rows} rows (dim 0), which do not split into "
+                             f"{p} equal parts (the group size): pad it or pass {name}")
+        sizes = [rows // p] * p
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != p:  # RuntimeError, as torch's
+        raise RuntimeError(f"all_to_all_single: {name} has {len(sizes)} entries; it needs one per rank "
+                           f"of the group ({p})")
+    if any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise RuntimeError(f"all_to_all_single: {name} {sizes} must be non-negative and add up to the "
+                           f"{rows} rows (dim 0) of {what}")
+    view = t if t.dim() else t.view(1)
+    return list(view.split(sizes, dim=0))
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: Group | None = None,
+                      async_op: bool = False, algorithm: str = "auto") -> Work | None:
+    """torch.distributed's all_to_all_single: rank i's ``input`` is cut along dim 0 into
+    ``input_split_sizes`` (None: equal parts), part j goes to rank j, and ``output`` receives the
+    parts of every rank in group order, cut by ``output_split_sizes``; in place in ``output``.
+    Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]`` (checked)."""
+    g = _group(group)
+    _check_tensor(output, "output")
+    _check_tensor(input, "input")
+    if output.dtype != input.dtype:
+        raise ValueError(f"all_to_all_single: output is {output.dtype} but input is {input.dtype}; "
+                         "both must have one dtype")
+    outs = _splits(output, output_split_sizes, g.size, "output_split_sizes", "output")
+    ins = _splits(input, input_split_sizes, g.size, "input_split_sizes", "input")
+    work = all_to_all(outs, ins, group=g, async_op=async_op, algorithm=algorithm)
+    if work is None:
+        return None
+    # torch's future value is [output], not the list of parts
+    wrapped = Work(work.description)
+    work.add_done_callback(lambda w: wrapped._finish(output, w._exc))
+    return wrapped
+
+
 def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Block until every rank of the group has called barrier (``device_ids``: accepted for
     torch.distributed's signature; meshtrain needs no device to synchronise)."""

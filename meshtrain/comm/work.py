@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any, Callable
+
+import torch
 
 from ..errors import CollectiveTimeout
 
@@ -12,7 +15,8 @@ class Work:
     """Handle of an asynchronous send, receive or collective.
 
     ``wait(timeout)`` blocks until the operation is done and re-raises its error; ``is_completed()``
-    polls; ``exception()`` returns the error of a finished operation (or None).
+    polls; ``exception()`` returns the error of a finished operation (or None); ``get_future()``
+    gives a ``torch.futures.Future`` of the outputs, as torch.distributed's Work does.
     """
 
     def __init__(self, description: str = "operation") -> None:
@@ -21,6 +25,7 @@ class Work:
         self._result: Any = None
         self._callbacks: list[Callable[[Work], None]] = []
         self._lock = threading.Lock()
+        self._future: _WorkFuture | None = None
         self.description = description
 
     # -- completion (called by whoever runs the operation) ---------------------------------
@@ -44,8 +49,15 @@ class Work:
         return self._done.wait(timeout)
 
     # -- public API -----------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until done (at most ``timeout`` seconds); re-raise the operation's error."""
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        """Block until done and return True; re-raise the operation's error. ``timeout``: seconds
+        or, as in torch, a ``datetime.timedelta`` (``timedelta(0)``, torch's default, means none).
+        Past it, raise ``CollectiveTimeout`` (a RuntimeError, like gloo's); the operation itself
+        goes on until its group's deadline, so a later ``wait()`` can still succeed."""
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds() or None
+        elif timeout is not None and not isinstance(timeout, (int, float)):
+            raise TypeError(f"Work.wait: timeout must be seconds or a datetime.timedelta, got {timeout!r}")
         if not self._progress(timeout):
             raise CollectiveTimeout(
                 f"{self.description} did not complete within {timeout:.3g}s of wait(); "
@@ -76,6 +88,68 @@ class Work:
                 self._callbacks.append(fn)
                 return
         fn(self)
+
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed with the operation's outputs when it finishes, as
+        torch.distributed's (a list: ``[tensor]`` for all_reduce, broadcast, all_to_all_single,
+        send and recv; the output list for all_gather and all_to_all; ``[]`` for barrier), or with
+        its error. ``then`` callbacks run on the thread that finishes the operation (a group's
+        worker thread for collectives); a receive on the thread or local transport finishes when
+        waited on, and the future's ``wait()`` does that. Unlike gloo, p2p works have one too."""
+        with self._lock:
+            if self._future is None:
+                self._future = _WorkFuture(self)
+                fut = self._future
+                pending = not self._done.is_set()
+                if pending:
+                    self._callbacks.append(fut._settle)
+            else:
+                return self._future
+        if not pending:
+            fut._settle(self)
+        return fut
+
+
+def _future_value(result: Any) -> list[Any]:
+    if result is None:
+        return []
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    return [result]
+
+
+class _WorkFuture(torch.futures.Future):
+    """The future of a ``Work``; its ``wait()`` first drives the work (some complete only when
+    waited on), so it never blocks on an operation nobody progresses."""
+
+    def __init__(self, work: Work) -> None:
+        super().__init__()
+        self._work = work
+        self._settled = threading.Lock()
+
+    def _settle(self, work: Work, exc: BaseException | None = None) -> None:
+        with self._settled:
+            if super().done():
+                return
+            err = exc if exc is not None else work._exc
+            if err is not None:
+                self.set_exception(err)
+            else:
+                self.set_result(_future_value(work._result))
+
+    def wait(self) -> Any:
+        """Drive the work to completion, then return its outputs (or raise its error)."""
+        if not super().done():
+            try:
+                self._work.wait()
+            except BaseException as exc:  # noqa: BLE001 - the future carries it
+                self._settle(self._work, exc)
+        return super().wait()
+
+    def value(self) -> Any:
+        """The outputs of a completed work (raises its error)."""
+        return super().value()
 
 
 def completed_work(result: Any = None, description: str = "operation") -> Work:
