@@ -153,8 +153,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
     return runner.run(g, "broadcast", _meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
 
 
-def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-    """Body of the all-gathers: ``outs[i]`` receives rank i's ``inp``."""
+def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.Tensor],
+              whole: torch.Tensor | None = None) -> Any:
+    """Body of the all-gathers: ``outs[i]`` receives rank i's ``inp``. ``whole``, when given, is a
+    flat contiguous tensor whose consecutive blocks are ``outs``: the algorithms then gather in it
+    in place, with no staging buffer (at 16 MB over 2 hosts the staging copy-out was about half
+    of the all-gather's time)."""
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
         if algo == "native":
@@ -164,9 +168,13 @@ def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.
             shm_direct.all_gather_lists(ctx, inp, outs)
             return outs
         n = inp.numel()
-        buf = ctx.scratch("all_gather_out", n * g.size, inp.dtype)
-        buf[ctx.rank * n : (ctx.rank + 1) * n].copy_(inp.reshape(-1))
+        buf = whole if whole is not None else ctx.scratch("all_gather_out", n * g.size, inp.dtype)
+        mine = buf[ctx.rank * n : (ctx.rank + 1) * n]
+        if not (inp.is_contiguous() and mine.data_ptr() == inp.data_ptr()):  # not already in place
+            mine.copy_(inp.reshape(-1))
         lookup("all_gather", algo)(ctx, buf)
+        if whole is not None:
+            return outs
         for i, o in enumerate(outs):
             o.view(-1).copy_(buf[i * n : (i + 1) * n]) if o.is_contiguous() else o.copy_(buf[i * n : (i + 1) * n].view(o.shape))
         return outs
@@ -203,7 +211,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     algo = _algorithm(g, "all_gather", algorithm, nbytes)
     if not output_tensor.is_contiguous():
         raise ValueError("all_gather_into_tensor: output_tensor must be contiguous (call .contiguous())")
-    body = _gathered(g, "all_gather_into_tensor", algo, input_tensor, outs)
+    body = _gathered(g, "all_gather_into_tensor", algo, input_tensor, outs, output_tensor.view(-1))
     return runner.run(g, "all_gather_into_tensor", _meta([input_tensor.shape], input_tensor.dtype, algo), body, async_op, nbytes)
 
 
