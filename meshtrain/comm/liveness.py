@@ -46,6 +46,9 @@ class PeerLost(CollectiveError):
         super().__init__(message)
         self.missing = list(missing)
 
+    def __reduce__(self) -> tuple:  # picklable (spawn's children send their errors to the parent)
+        return (type(self), (str(self), self.missing))
+
 
 def _tcp_address(store: Any) -> tuple[str, int] | None:
     """(host, port) of the TCPStore under ``store`` (unwrapping PrefixStores), or None."""

@@ -9,7 +9,9 @@ turned off with ``init(check=False)``. The same exchange tells, on timeout, exac
 never arrived. Groups on one host's shared memory skip that round: a 64-bit fingerprint of the
 metadata travels with the first step of the shm collectives (or with one step of their protocol
 ahead of any other algorithm) and is compared there; the full metadata is exchanged only when the
-fingerprints differ, to name the ranks.
+fingerprints differ, to name the ranks. The hierarchical collectives across hosts of the shm
+transport carry it the same way (``hierarchical.Check``: inside each host, then 16 bytes between
+the host leaders before any data crosses).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
-from .algorithms import shm_direct
+from .algorithms import hierarchical, shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group
 from .transport.base import FingerprintMismatch, PeerTimeout
@@ -101,7 +103,10 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         checked = (comm.check or force_exchange) and g.size > 1
         # A group in one host's shared memory checks a fingerprint in the step where its members
         # meet anyway: the shm collectives' first step, or one step of that protocol before others.
-        fused = checked and not force_exchange and pairwise is None and shm_direct.usable(ctx)
+        # The hierarchical collectives across hosts of the shm transport check it in their steps.
+        local = shm_direct.usable(ctx)
+        fused = checked and not force_exchange and pairwise is None and (
+            local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
         try:
             if checked:
                 payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
@@ -111,7 +116,7 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
                     payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
                     _compare(name, seq, g, payloads)
             try:
-                if fused and meta.get("algorithm") != "shm":
+                if fused and local and meta.get("algorithm") != "shm":
                     shm_direct.check_only(ctx)
                 result = body(ctx)
             except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
@@ -124,6 +129,8 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         except PeerTimeout as exc:
             if fused and ctx.fingerprint is not None:  # timed out before everyone had arrived
                 exc = PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing)
+            elif fused and not local:  # across hosts: ask the store who called it at all
+                exc = _who_arrived(g, f"c/{g.gid}/{seq}", payload, exc)
             err = _timeout_error(name, seq, g, exc)
             comm.monitor.end(entry, ctx.sent_bytes, err)
             raise err from None
@@ -138,6 +145,21 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
     g.drain()
     execute()
     return None
+
+
+def _who_arrived(g: Group, key: str, payload: str, exc: PeerTimeout) -> PeerTimeout:
+    """After a timeout in a call whose check rode its steps across hosts: exchange the metadata
+    through the store with a short grace, so the error names the ranks that never called it (the
+    others time out too and post theirs) -- or, if all did, the stall it was."""
+    try:
+        g.comm.transport.exchange(key, g.ranks, payload, min(g.timeout, ARRIVAL_GRACE_S))
+    except PeerTimeout as missing:
+        return missing
+    return exc
+
+
+# Seconds the ranks of a timed-out cross-host call wait for each other to post their arrival.
+ARRIVAL_GRACE_S = 3.0
 
 
 def _timeout_error(name: str, seq: int, g: Group, exc: PeerTimeout) -> CollectiveTimeout:

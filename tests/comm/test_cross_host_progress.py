@@ -8,6 +8,8 @@ used to deadlock (a rank blocked in gloo never pumped its queued shm chunks); th
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from meshtrain.comm.launch import spawn
@@ -47,3 +49,62 @@ def test_rings_across_shm_and_gloo_links_complete():
     results = spawn(4, _rings, transport="auto", host_ids=HOSTS, timeout=240, comm_timeout=30)
     for rank, ok in enumerate(results):
         assert all(ok.values()), f"rank {rank}: wrong results in {[k for k, v in ok.items() if not v]}"
+
+
+def _mismatches(rank: int) -> dict[str, str]:
+    """Mismatched hierarchical calls across hosts (the check rides the steps: hierarchical.Check)."""
+    import meshtrain.comm as mc
+    from meshtrain.errors import CollectiveMismatch, CollectiveTimeout
+
+    p = mc.get_world_size()
+    seen: dict[str, str] = {}
+    t = mc.current().transport
+    rounds = []
+    exchange = t.exchange
+    t.exchange = lambda *a, **k: rounds.append(a[0]) or exchange(*a, **k)  # count store rounds
+    for _ in range(3):  # matching calls check the metadata without a round of their own
+        mc.all_reduce(torch.ones(4096), algorithm="hierarchical")
+        mc.all_gather_into_tensor(torch.empty(64 * p), torch.ones(64), algorithm="hierarchical")
+    seen["store rounds"] = str(rounds)
+    # (case, the rank that differs): a leader (2) and a non-leader (3), for each op
+    for case, odd in (("all_reduce", 2), ("all_reduce", 3), ("all_gather", 3), ("reduce_scatter", 2)):
+        n = 1024 + (8 if rank == odd else 0)
+        try:
+            if case == "all_reduce":
+                mc.all_reduce(torch.ones(n), algorithm="hierarchical")
+            elif case == "all_gather":
+                mc.all_gather_into_tensor(torch.empty(n * p), torch.ones(n), algorithm="hierarchical")
+            else:
+                mc.reduce_scatter_tensor(torch.empty(n), torch.ones(n * p), algorithm="hierarchical")
+            seen[f"{case} {odd}"] = "no error"
+        except CollectiveMismatch as exc:
+            seen[f"{case} {odd}"] = str(exc)
+        # the group still works after a named mismatch
+        t = torch.full((64,), float(rank))
+        mc.all_reduce(t, algorithm="hierarchical")
+        assert torch.equal(t, torch.full((64,), float(sum(range(p)))))
+    # Last (a timed-out gloo wait closes its connection): rank 3 (host B, not its leader) never
+    # calls; the others must name it.
+    g = mc.new_group(list(range(4)), timeout=2.0)
+    if rank == 3:  # alive (an exited rank is named as lost), just elsewhere
+        time.sleep(6)
+        return seen
+    try:
+        mc.all_reduce(torch.ones(4096), algorithm="hierarchical", group=g)
+        seen["never called"] = "no error"
+    except CollectiveTimeout as exc:
+        seen["never called"] = str(exc)
+    return seen
+
+
+def test_mismatched_or_missing_calls_across_hosts_are_named_on_every_rank():
+    results = spawn(4, _mismatches, transport="auto", host_ids=HOSTS, timeout=120, comm_timeout=20)
+    for rank, seen in enumerate(results):
+        assert seen.pop("store rounds") == "[]", f"rank {rank}: the check took store rounds"
+        if rank != 3:
+            msg = seen.pop("never called")
+            assert "rank(s) [3] never called it" in msg, f"rank {rank}: {msg}"
+        for case, msg in seen.items():
+            odd = int(case.split()[1])
+            assert f"ranks [{odd}]:" in msg and "shapes=[[1032]]" in msg, f"rank {rank}, {case}: {msg}"
+

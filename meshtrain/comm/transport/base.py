@@ -18,6 +18,9 @@ class PeerTimeout(CollectiveTimeout):
         super().__init__(message)
         self.missing = list(missing)
 
+    def __reduce__(self) -> tuple:  # picklable (spawn's children send their errors to the parent)
+        return (type(self), (str(self), self.missing))
+
 
 class FingerprintMismatch(Exception):
     """The members' fingerprints of one call differ (raised on every member; the runner then

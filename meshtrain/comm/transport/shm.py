@@ -55,6 +55,9 @@ class PeerDied(CollectiveError):
         super().__init__(message)
         self.missing = list(missing)
 
+    def __reduce__(self) -> tuple:  # picklable (spawn's children send their errors to the parent)
+        return (type(self), (str(self), self.missing))
+
 
 class _ShmWork(Work):
     def __init__(self, transport: "ShmTransport", peer: int, description: str) -> None:
