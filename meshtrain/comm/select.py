@@ -4,8 +4,8 @@ A message of n bytes costs α + n·β; reducing n bytes costs n·γ. A rank's me
 α each even when posted together (the direct algorithms): on host-driven transports every message
 costs CPU time, and these are host-driven. Each algorithm's time is a formula
 in α, β, γ, n and p; ``auto`` picks the cheapest. α, β and γ are fitted per group by a short
-ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call, and
-cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
+ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call that
+needs them (never implicitly for ranks as threads: those use ``DEFAULTS["local"]``), and cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
 On one host's shared memory the shm collectives are taken without pricing (see ``choose``).
 A communicator's ``preferred_algorithm`` (the training config's ``comm.algorithm``) is taken
 before either wherever it is valid for the op and group (``preferred``).
@@ -248,7 +248,14 @@ def choose(group, op: str, nbytes: int) -> str:
     if len(names) == 1 or group.size == 1:
         return names[0]
     if group.cost_model is None:
-        calibrate(group)
+        if t.kind == "local":
+            # Ranks as threads of one process: no implicit calibration. Its exchange is a hidden
+            # collective that blocks a thread playing every rank in turn (the seed's operators),
+            # and a ping-pong between threads measures the GIL rather than a link. The defaults
+            # are the same on every rank; calibrate() still fits the model when asked.
+            group.cost_model = DEFAULTS["local"]
+        else:
+            calibrate(group)
     nodes = len(set(group.hosts))
     model: CostModel = group.cost_model
     return min(names, key=lambda n: (model.predict(op, n, nbytes, group.size, nodes), n))

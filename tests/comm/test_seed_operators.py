@@ -1,5 +1,8 @@
 """The seed API's four usage examples (and its communicator) give the right results."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -9,6 +12,133 @@ from meshtrain.comm.operators import (AllGatherOperator, AllReduceOperator, Broa
                                       create_ring_topology, run_threads)
 
 W = 4
+pytestmark = pytest.mark.timeout(60)
+
+# The seed module's four usage examples, verbatim (comments translated): one thread calls every
+# rank's operator in a for loop. Examples 2-4 use example 1's ``communicators`` and ``world_size``.
+SEED_EXAMPLES = {
+    "all_reduce": """
+# create the distributed environment
+world_size = 4
+communicators = create_ring_topology(world_size)
+all_reduce_ops = [AllReduceOperator(comm) for comm in communicators]
+
+# each process's gradients
+gradients = [torch.randn(1000) for _ in range(world_size)]
+
+# synchronise the gradients
+synchronized_grads = []
+for i, op in enumerate(all_reduce_ops):
+    result = op.all_reduce(gradients[i])
+    synchronized_grads.append(result)
+""",
+    "broadcast": """
+# broadcast the model parameters
+broadcast_ops = [BroadcastOperator(comm) for comm in communicators]
+
+# the root process has the parameters, the others are empty
+params = torch.randn(1000)
+broadcast_data = [params if i == 0 else torch.zeros(1000) for i in range(world_size)]
+
+# broadcast the parameters
+broadcasted_params = []
+for i, op in enumerate(broadcast_ops):
+    result = op.broadcast(broadcast_data[i], root_rank=0)
+    broadcasted_params.append(result)
+""",
+    "all_gather": """
+# gather every process's statistics
+all_gather_ops = [AllGatherOperator(comm) for comm in communicators]
+
+# each process's local statistics
+local_stats = [torch.randn(100) for _ in range(world_size)]
+
+# gather the global statistics
+global_stats = []
+for i, op in enumerate(all_gather_ops):
+    result = op.all_gather(local_stats[i])
+    global_stats.append(result)
+""",
+    "reduce_scatter": """
+# scatter the computed results
+reduce_scatter_ops = [ReduceScatterOperator(comm) for comm in communicators]
+
+# each process's full data
+full_data = [torch.randn(4000) for _ in range(world_size)]
+
+# reduce and scatter
+scattered_results = []
+for i, op in enumerate(reduce_scatter_ops):
+    result = op.reduce_scatter(full_data[i])
+    scattered_results.append(result)
+""",
+}
+
+
+def test_the_seed_examples_run_as_written_in_one_thread_well_under_a_second():
+    ns = {"torch": torch, "create_ring_topology": create_ring_topology, "AllReduceOperator": AllReduceOperator,
+          "BroadcastOperator": BroadcastOperator, "AllGatherOperator": AllGatherOperator,
+          "ReduceScatterOperator": ReduceScatterOperator}
+    took = {}
+    for name, code in SEED_EXAMPLES.items():
+        t0 = time.perf_counter()
+        exec(code, ns)  # noqa: S102 - the seed's own text
+        took[name] = time.perf_counter() - t0
+    assert all(t < 1.0 for t in took.values()), took
+    total = torch.stack(ns["gradients"]).sum(0)
+    for got in ns["synchronized_grads"]:
+        torch.testing.assert_close(got, total)
+    assert all(torch.equal(b, ns["params"]) for b in ns["broadcasted_params"])
+    assert all(torch.equal(g, torch.cat(ns["local_stats"])) for g in ns["global_stats"])
+    full = torch.stack(ns["full_data"]).sum(0)
+    for r, got in enumerate(ns["scattered_results"]):
+        torch.testing.assert_close(got, full[r * 1000 : (r + 1) * 1000])
+    # the seed's benchmark, called on one operator from the same thread, times whole collectives
+    res = ns["all_reduce_ops"][0].benchmark([(1000,), (10000,)], num_trials=3)
+    assert set(res) == {(1000,), (10000,)} and all(v["min_s"] > 0 for v in res.values())
+
+
+def test_one_thread_per_rank_blocks_until_its_result_is_complete():
+    """Each call returns only when the collective is done: the result is right at return."""
+    ops = [AllReduceOperator(c) for c in create_ring_topology(W)]
+    grads = [torch.randn(5000) for _ in range(W)]
+    want = torch.stack(grads).sum(0)
+
+    def rank(r):
+        if r == 0:
+            time.sleep(0.2)  # the others must wait for rank 0, not return early
+        out = ops[r].all_reduce(grads[r])
+        torch.testing.assert_close(out, want)  # checked on the calling thread, at return
+        return threading.get_ident()
+
+    idents = run_threads([lambda r=r: rank(r) for r in range(W)])
+    assert len(set(idents)) == W
+
+
+def test_a_bad_call_in_the_loop_fails_at_once_and_ends_the_open_collective():
+    """Rank 0's all_reduce is open when rank 1's call fails its checks: the topology is aborted,
+    so rank 0's part fails now (seen by the next call) instead of waiting out the timeout."""
+    comms = create_ring_topology(2, timeout=30)
+    AllReduceOperator(comms[0]).all_reduce(torch.ones(4))
+    with pytest.raises(ValueError, match="divisible by the world size 2"):
+        ReduceScatterOperator(comms[1]).reduce_scatter(torch.ones(3))
+    t0 = time.perf_counter()
+    with pytest.raises(mc.CollectiveError, match="aborted: rank 1's call failed: ValueError"):
+        AllReduceOperator(comms[1]).all_reduce(torch.ones(4))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_the_first_auto_call_runs_no_hidden_collective():
+    """A rank whose first call is auto and one whose first call names its algorithm meet in the
+    metadata check (a CollectiveMismatch naming both), not in a calibration exchange that only
+    one of them runs (which timed out naming a 'cal/...' key)."""
+    def fn(rank):
+        mc.all_reduce(torch.ones(8), algorithm=["auto", "ring", "tree"][rank])
+
+    t0 = time.perf_counter()
+    with pytest.raises(mc.CollectiveMismatch, match="algorithm="):
+        mc.run_local(3, fn, timeout=20)
+    assert time.perf_counter() - t0 < 10
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "min", "mean"])
