@@ -72,11 +72,14 @@ def test_auto_agrees_across_ranks_and_calibration_is_cached(tmp_path, monkeypatc
 
     def fn(rank):
         x = torch.ones(257)
-        mc.all_reduce(x)  # auto: calibrates the world group first
+        mc.all_reduce(x)  # auto on threads: the defaults, no hidden calibration exchange
+        implicit = mc.current().world.cost_model.source
+        mc.calibrate(force=False)  # explicit (collective): measured once, then from the cache
         model = mc.current().world.cost_model
-        return model.source, select.choose(mc.current().world, "all_reduce", 1 << 22), x[0].item()
+        return model.source, select.choose(mc.current().world, "all_reduce", 1 << 22), x[0].item(), implicit
 
     first = mc.run_local(3, fn)
+    assert {r[3] for r in first} == {"default"}
     assert {r[0] for r in first} == {"measured"} and len({r[1] for r in first}) == 1
     assert all(r[2] == 3.0 for r in first)
     cached = json.loads((tmp_path / "calibration.json").read_text())
