@@ -200,6 +200,10 @@ class ZeroModel(nn.Module):
             for u in self.units:
                 u.free()
 
+    def buffer_dtypes(self) -> dict[str, torch.dtype]:
+        """Each buffer's dtype before mixed precision converted it (what a checkpoint stores)."""
+        return dict(self._buffer_dtypes)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state (parameters in fp32 from the masters, plus buffers) on every rank."""
         out: dict[str, torch.Tensor] = {}

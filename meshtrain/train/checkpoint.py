@@ -1,14 +1,16 @@
 """Sharded, atomic, resharding checkpoints of a ``ParallelModel`` and its ``ParallelOptimizer``.
 
-``save_checkpoint(root, step, model, optimizer, extra)`` is collective: the ranks with dp = 0 and
-cp = 0 write their tensors once each (a parameter without ``.shard`` only from tp = 0) into
-``root/step-00000100.tmp/``; after a barrier rank 0 writes ``metadata.json`` (the commit marker),
-renames the directory, points ``root/latest`` at it and prunes old checkpoints. Under ZeRO the
-stage's state is gathered over dp first and written as if dp were 1.
+``save_checkpoint(root, step, model, optimizer, extra)`` is collective and moves no tensor between
+ranks: every rank writes the pieces it holds and is the first replica of (``checkpoint_state``: a
+tp slice is written by dp = cp = 0, a ZeRO shard by its own rank, a whole tensor once) into
+``root/step-00000100.tmp/rank-R.safetensors``, streamed from the live tensors; after a barrier rank
+0 writes ``metadata.json`` (the commit marker), renames the directory, points ``root/latest`` at it
+and prunes old checkpoints.
 
-``load_checkpoint(path, model, optimizer)`` works under any layout: each rank computes which slice
-of each full tensor its parameters (and their optimizer state) hold and reads just that slice
-from the saved slices. The file format lives in ``checkpoint_io.py``; nothing is ever unpickled.
+``load_checkpoint(path, model, optimizer)`` works under any layout: each rank asks the same state
+objects which boxes of which full tensors it holds, checks that the checkpoint covers them, and
+(once every rank agrees) reads just those boxes from the files into its tensors. The file format
+lives in ``checkpoint_io.py``; nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -22,18 +24,13 @@ import torch
 
 from .. import comm
 from ..errors import CheckpointError
-from ..parallel.parallel_model import ParallelModel, ParallelOptimizer, unwrap
-from ..parallel.zero import ZeroModel
-from .checkpoint_io import (FORMAT, LATEST, METADATA, STEP_RE, VERSION, CheckpointReader, Shard, slice_box,
-                            committed_steps, from_json, fsync_dir, merge_sidecars, replace_durable,
-                            step_dir_name, to_json, write_durable, write_rank_shard)
+from ..parallel.parallel_model import ParallelModel, ParallelOptimizer
+from .checkpoint_io import (FORMAT, LATEST, METADATA, STEP_RE, VERSION, Box, CheckpointReader, ReadPlan,
+                            committed_steps, from_json, fsync_dir, merge_sidecars, replace_durable, step_dir_name,
+                            to_json, write_durable, write_rank_shard)
+from .checkpoint_state import ModelState, OptimizerState, ShardedTensor, Slot
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
-
-
-def _shard(p: torch.Tensor) -> Shard:
-    """A parameter's tensor-parallel slice (dim, index, parts); whole tensors are (0, 0, 1)."""
-    return getattr(p, "shard", (0, 0, 1))
 
 
 def _agree(model: ParallelModel, exc: BaseException | None, what: str) -> None:
@@ -64,59 +61,28 @@ def _agree(model: ParallelModel, exc: BaseException | None, what: str) -> None:
 # -- save ----------------------------------------------------------------------------------------
 
 
-def _writer(model: ParallelModel) -> bool:
-    """Replicas over dp and cp are written once, by the rank with dp = 0 and cp = 0."""
-    return model.mesh.coords.dp == 0 and model.mesh.coords.cp == 0
+Piece = tuple[str, torch.Tensor, list[int], Box]  # (key, values, full shape, box of the full tensor)
 
 
 def _collect(model: ParallelModel, optimizer: ParallelOptimizer | None
-             ) -> tuple[dict[str, tuple[torch.Tensor, Shard]], dict[str, dict], list[dict] | None]:
-    """This rank's tensors to write (key -> (local tensor, shard)), scalar optimizer state per
-    parameter, and the optimizer's param groups. Under ZeRO this gathers over dp (collective)."""
-    mesh = model.mesh
-    tensors: dict[str, tuple[torch.Tensor, Shard]] = {}
+             ) -> tuple[list[Piece], dict[str, dict], list[dict] | None]:
+    """This rank's pieces to write (views of its own tensors: no copy, no communication), scalar
+    optimizer state per parameter, and the optimizer's param groups."""
+    ms = ModelState(model)
+    pieces: list[Piece] = []
+
+    def add(state: dict[str, ShardedTensor]) -> None:
+        for key, st in state.items():
+            if st.write:
+                pieces.extend((key, t, st.shape, box) for box, t in st.pieces)
+
+    add(ms.state_dict())
     scalars: dict[str, dict] = {}
-    groups: list[dict] | None = None
-
-    def add(name: str, value: torch.Tensor, shard: Shard, state: dict[str, Any] | None) -> None:
-        if shard[2] == 1 and mesh.coords.tp != 0:
-            return  # a whole tensor is replicated over tp: tp = 0 writes it
-        tensors[f"model/{name}"] = (value, shard)
-        for k, v in (state or {}).items():
-            if torch.is_tensor(v) and v.shape == value.shape and v.dim() > 0:
-                tensors[f"optim/{name}/{k}"] = (v, shard)
-            elif torch.is_tensor(v) and v.numel() != 1:
-                raise CheckpointError(f"optimizer state {k!r} of {name} has shape {tuple(v.shape)}, neither the "
-                                      f"parameter's {tuple(value.shape)} nor a scalar; this optimizer's state "
-                                      f"cannot be resharded (use AdamW/SGD-like optimizers)")
-            else:
-                scalars.setdefault(name, {})[k] = to_json(v)
-
-    if model.config.zero_stage:
-        opts = optimizer.optimizers if optimizer is not None else [None] * len(model.stages)
-        for stage, zopt in zip(model.stages.values(), opts):
-            assert isinstance(stage, ZeroModel)
-            full = stage.full_state_dict()  # collective over dp x cp: every rank calls it
-            ostate = zopt.full_state_dict() if zopt is not None else None
-            shards = {n: _shard(p) for n, p in unwrap(stage).named_parameters()}
-            if _writer(model):
-                for name, value in full.items():
-                    add(name, value, shards.get(name, (0, 0, 1)), ostate["state"].get(name) if ostate else None)
-            if ostate is not None and groups is None:
-                groups = ostate["param_groups"]
-    else:
-        params = model.named_parameters()
-        if optimizer is not None:
-            opt = optimizer.optimizers[0]
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        if _writer(model):
-            for name, p in params:
-                state = dict(optimizer.optimizers[0].state.get(p, {})) if optimizer is not None else None
-                add(name, p.detach(), _shard(p), state)
-            for stage in model.stages.values():
-                for name, b in unwrap(stage).named_buffers():
-                    add(name, b.detach(), (0, 0, 1), None)
-    return tensors, scalars, groups
+    groups = None
+    if optimizer is not None:
+        tensors, scalars, groups = OptimizerState(model, optimizer, ms.params).state_dict()
+        add(tensors)
+    return pieces, scalars, groups
 
 
 def save_checkpoint(root: str, step: int, model: ParallelModel, optimizer: ParallelOptimizer | None,
@@ -147,10 +113,9 @@ class PendingSave:
         self.error: BaseException | None = None
 
     def write(self) -> None:
-        """Write this rank's shard (if it is a writer); an error is kept for ``finish`` to share."""
+        """Write this rank's shard file and sidecar; an error is kept for ``finish`` to share."""
         try:
-            if _writer(self.model):
-                write_rank_shard(self.tmp, self.model.mesh.comm.rank, self.tensors, self.scalars)
+            write_rank_shard(self.tmp, self.model.mesh.comm.rank, self.tensors, self.scalars)
         except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
             self.error = exc
         self.tensors = None  # the snapshot's memory goes as soon as it is on disk
@@ -189,8 +154,8 @@ def begin_save(root: str, step: int, model: ParallelModel, optimizer: ParallelOp
         extra_json = to_json(extra or {})
         json.dumps(extra_json)
         tensors, scalars, groups = _collect(model, optimizer)
-        if snapshot:
-            tensors = {k: (v.detach().clone(), shard) for k, (v, shard) in tensors.items()}
+        if snapshot:  # the async save's price: a copy of what this rank writes
+            tensors = [(k, v.detach().clone(), shape, box) for k, v, shape, box in tensors]
         if rank == 0:
             if os.path.exists(tmp):  # left by a save that crashed at this step
                 shutil.rmtree(tmp)
@@ -289,47 +254,26 @@ def _resolve(path: str) -> str:
 # -- load ----------------------------------------------------------------------------------------
 
 
-def _global(local: torch.Tensor, shard: Shard) -> tuple[list[int], list[tuple[int, int]]]:
-    """Full shape and the box a local slice covers in it."""
-    shape = list(local.shape)
-    dim, index, parts = shard
-    if shape:
-        shape[dim] *= parts
-    return shape, slice_box(shape, dim, index, parts)
-
-
-def _read(reader: CheckpointReader, key: str, local: torch.Tensor, shard: Shard,
-          keep_dtype: bool = False) -> torch.Tensor:
-    """The slice of saved tensor ``key`` that ``local`` (with ``shard``) holds, checked, on the local
-    device and (unless ``keep_dtype``: ZeRO keeps fp32 masters and state) in its dtype."""
-    shape, box = _global(local, shard)
+def _check(reader: CheckpointReader, key: str, shape: list[int]) -> None:
+    """The checkpoint must hold ``key`` with the full ``shape`` this model has."""
     saved = reader.global_shape(key)
     what = key.split("/", 1)[1]
     if saved is None:
         raise CheckpointError(f"checkpoint {reader.path} has no tensor {key!r} for parameter {what}; it was saved "
                               f"from a different model (the model config must match the one that saved it)")
-    if saved != shape:
-        vocab = what.split(".")[0] in ("tok_emb", "head") and saved[1:] == shape[1:]
+    if saved != list(shape):
+        vocab = what.split(".")[0] in ("tok_emb", "head") and saved[1:] == list(shape)[1:]
         hint = (f"the vocabulary differs ({saved[0]} vs {shape[0]} rows): use the data.tokenizer, data.vocab_size "
                 f"and model.vocab_size of the run that saved it (its config.toml)") if vocab else \
             "the model config must match the one that saved the checkpoint (its config.toml)"
         raise CheckpointError(f"parameter {what}: the checkpoint {reader.path} holds shape {tuple(saved)} "
                               f"({key}) but this model has {tuple(shape)}; {hint}")
-    out = reader.read(key, box)
-    return out.to(device=local.device) if keep_dtype else out.to(device=local.device, dtype=local.dtype)
 
 
-def _state(reader: CheckpointReader, name: str, local: torch.Tensor, shard: Shard,
-           keep_dtype: bool = False) -> dict[str, Any]:
-    """The optimizer state of one parameter: tensors shaped like it (resliced) plus JSON scalars."""
-    prefix = f"optim/{name}/"
-    out: dict[str, Any] = {k[len(prefix):]: _read(reader, k, local, shard, keep_dtype) for k in reader.keys(prefix)}
-    for k, v in reader.meta["optimizer"]["scalars"].get(name, {}).items():
-        out[k] = from_json(v)
-    if not out and reader.meta["optimizer"]["has_state"]:
-        raise CheckpointError(f"checkpoint {reader.path} has no optimizer state for parameter {name}; it was "
-                              f"saved from a different model (the model config must match)")
-    return out
+def _plan(reader: CheckpointReader, key: str, slot: Slot) -> list[ReadPlan]:
+    """Checked plans to read each of ``slot``'s regions of tensor ``key``."""
+    _check(reader, key, slot.shape)
+    return [reader.plan(key, r.box) for r in slot.regions]
 
 
 def _groups(reader: CheckpointReader, current: list[dict]) -> list[dict]:
@@ -341,78 +285,89 @@ def _groups(reader: CheckpointReader, current: list[dict]) -> list[dict]:
             for s, cur in zip(saved, current)]
 
 
+class _Load:
+    """A checked load: every box this rank needs, planned (phase 1: nothing changed yet); ``run``
+    reads them into the live tensors and finishes (phase 2, after every rank's phase 1 passed)."""
+
+    def __init__(self, path: str, model: ParallelModel, optimizer: ParallelOptimizer | None, verify: bool) -> None:
+        self.reader = reader = CheckpointReader(path, verify)
+        try:
+            if optimizer is not None and reader.meta["optimizer"] is None:
+                raise CheckpointError(f"checkpoint {path} has no optimizer state (it was saved without an "
+                                      f"optimizer); pass optimizer=None to load only the model weights")
+            self.model = ModelState(model)
+            self.reads = [(s, s.holder, _plan(reader, f"model/{s.name}", s)) for s in self.model.params]
+            self.reads += [(s, s.holder, _plan(reader, f"model/{s.name}", s)) for s, _ in self.model.buffers
+                           if reader.has(f"model/{s.name}")]
+            self.optim: OptimizerState | None = None
+            if optimizer is not None:
+                self._plan_optimizer(OptimizerState(model, optimizer, self.model.params))
+            self.extra = from_json(reader.meta.get("extra") or {})
+        except BaseException:
+            reader.close()
+            raise
+
+    def _plan_optimizer(self, optim: OptimizerState) -> None:
+        reader, meta = self.reader, self.reader.meta["optimizer"]
+        self.optim, self.opt_reads = optim, []
+        self.keys: dict[str, list[str]] = {}
+        self.scalars = {n: from_json(v) for n, v in meta["scalars"].items()}
+        for s in optim.slots:
+            prefix = f"optim/{s.name}/"
+            self.keys[s.name] = [k[len(prefix):] for k in reader.keys(prefix)]
+            if not self.keys[s.name] and s.name not in self.scalars and meta["has_state"]:
+                raise CheckpointError(f"checkpoint {reader.path} has no optimizer state for parameter {s.name}; "
+                                      f"it was saved from a different model (the model config must match)")
+            self.opt_reads += [(s, k, _plan(reader, prefix + k, s)) for k in self.keys[s.name]]
+        self.groups = [_groups(reader, opt.param_groups) for opt in optim.torch_optimizers]
+
+    def run(self) -> None:
+        """Read every planned box into place, one bounded buffer at a time, and finish the load."""
+        with self.reader:
+            for s, holder, plans in self.reads:
+                for view, plan in zip(s.views(holder), plans):
+                    self.reader.read_into(plan, view)
+            if self.optim is not None:
+                self.optim.allocate(self.keys)
+                for s, k, plans in self.opt_reads:
+                    for view, plan in zip(s.views(self.optim.state_of(s)[k]), plans):
+                        self.reader.read_into(plan, view)
+
+    def finish(self) -> None:
+        """Collective: refresh ZeRO's compute parameters; install optimizer scalars and groups."""
+        self.model.load_state_dict({f"model/{s.name}": ShardedTensor(s.shape) for s, _, _ in self.reads})
+        if self.optim is not None:
+            self.optim.load_state_dict(self.scalars, self.groups, self.keys)
+
+
 def load_checkpoint(path_or_root: str, model: ParallelModel, optimizer: ParallelOptimizer | None = None,
                     verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint saved under any layout into ``model`` (and ``optimizer``); return ``extra``.
 
     ``path_or_root`` is a step directory or a root (then ``latest`` is followed). Every rank calls
-    it; each reads only the slices its parameters hold. ``verify`` checks each shard file's sha256
-    before use (it reads the whole file once). Raises ``CheckpointError`` naming the problem and the
-    fix on every rank if any rank fails; then no rank has changed anything (every rank reads all
-    it needs first, the ranks agree, and only then is it copied in).
+    it; each reads only the boxes its parameters (and their optimizer state) hold, straight into
+    them. ``verify`` checks each shard file's sha256 before use (it reads the whole file once).
+    Raises ``CheckpointError`` naming the problem and the fix on every rank if any rank fails; a
+    checkpoint that does not fit (missing tensors, other shapes, damaged files) is found before any
+    rank changes anything.
     """
     err: BaseException | None = None
-    apply: list[Any] = []
-    extra: dict[str, Any] = {}
+    load: _Load | None = None
     try:
-        apply, extra = _read_all(_resolve(path_or_root), model, optimizer, verify)
+        load = _Load(_resolve(path_or_root), model, optimizer, verify)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
         err = exc
+    try:
+        _agree(model, err, "checkpoint load")
+    except CheckpointError:
+        if load is not None:
+            load.reader.close()
+        raise
+    assert load is not None
+    try:
+        load.run()
+    except BaseException as exc:  # noqa: BLE001
+        err = exc
     _agree(model, err, "checkpoint load")
-    for fn, arg in apply:
-        fn(arg)
-    return extra
-
-
-def _read_all(path: str, model: ParallelModel, optimizer: ParallelOptimizer | None,
-              verify: bool) -> tuple[list[Any], dict[str, Any]]:
-    """Everything this rank needs, as (function, argument) pairs that apply it, and ``extra``."""
-    with CheckpointReader(path, verify) as reader:
-        if optimizer is not None and reader.meta["optimizer"] is None:
-            raise CheckpointError(f"checkpoint {path} has no optimizer state (it was saved without an "
-                                  f"optimizer); pass optimizer=None to load only the model weights")
-        apply: list[Any] = []
-        if model.config.zero_stage:
-            opts = optimizer.optimizers if optimizer is not None else [None] * len(model.stages)
-            for stage, zopt in zip(model.stages.values(), opts):
-                inner = unwrap(stage)
-                named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]  # = ZeRO's units
-                full = {n: _read(reader, f"model/{n}", p, _shard(p), True) for n, p in named}
-                for n, b in inner.named_buffers():
-                    full[n] = _read(reader, f"model/{n}", b, (0, 0, 1)) if reader.has(f"model/{n}") else b.detach()
-                apply.append((stage.load_full_state_dict, full))
-                if zopt is not None:
-                    per_name = {n: _state(reader, n, p, _shard(p), True) for n, p in named}
-                    apply.append((zopt.load_full_state_dict,
-                                  {"state": per_name, "param_groups": _groups(reader, zopt.param_groups)}))
-        else:
-            named = model.named_parameters()
-            values = [(p, _read(reader, f"model/{n}", p, _shard(p))) for n, p in named]
-            values += [(b, _read(reader, f"model/{n}", b, (0, 0, 1))) for stage in model.stages.values()
-                       for n, b in unwrap(stage).named_buffers() if reader.has(f"model/{n}")]
-            apply.append((_copy_params, values))
-            if optimizer is not None:
-                opt = optimizer.optimizers[0]
-                states = [(p, _state(reader, n, p, _shard(p))) for n, p in named]
-                apply.append((_set_optimizer, (opt, states, _groups(reader, opt.param_groups))))
-        extra = from_json(reader.meta.get("extra") or {})
-    return apply, extra
-
-
-def _copy_params(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy read values into parameters / buffers (in place, so optimizers keep their references)."""
-    with torch.no_grad():
-        for p, v in values:
-            p.copy_(v)
-
-
-def _set_optimizer(arg: tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, dict]], list[dict]]) -> None:
-    """Install per-parameter state and hyperparameters into a plain torch optimizer."""
-    opt, states, groups = arg
-    for p, st in states:
-        if st:
-            opt.state[p] = st
-        else:
-            opt.state.pop(p, None)
-    for g, saved in zip(opt.param_groups, groups):
-        g.update(saved)
+    load.finish()
+    return load.extra

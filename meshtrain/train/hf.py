@@ -340,7 +340,8 @@ def write_init_checkpoint(root: str | Path, tensors: dict[str, torch.Tensor], co
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        write_rank_shard(tmp, 0, {f"model/{n}": (t, (0, 0, 1)) for n, t in tensors.items()}, {})
+        write_rank_shard(tmp, 0, [(f"model/{n}", t, list(t.shape), tuple((0, d) for d in t.shape))
+                                  for n, t in tensors.items()], {})
         entries, files, _ = merge_sidecars(tmp)
         meta = {"format": FORMAT, "version": VERSION, "step": 0,
                 "layout": {"dp": 1, "pp": 1, "cp": 1, "tp": 1}, "world_size": 1, "parallel": {},

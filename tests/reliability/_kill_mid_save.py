@@ -14,6 +14,7 @@ from meshtrain.train import checkpoint, checkpoint_io
 
 POINT, TARGET = sys.argv[1], "step-00000004"
 real_write, real_replace = checkpoint_io.write_durable, checkpoint_io.replace_durable
+real_stream = checkpoint_io.write_durable_stream
 
 
 def _die() -> None:
@@ -31,6 +32,19 @@ def write_durable(path: str, data: bytes) -> None:
         _die()
 
 
+def write_durable_stream(path, chunks, size):
+    if TARGET in path and POINT == "shard" and path.endswith(".safetensors"):
+        with open(path, "wb") as f:  # the writer dies halfway through its shard (streamed in pieces)
+            written = 0
+            for data in chunks:
+                data = bytes(data)[: max(0, size // 2 - written)]
+                f.write(data)
+                written += len(data)
+            f.flush()
+        _die()
+    return real_stream(path, chunks, size)
+
+
 def replace_durable(path: str, data: bytes) -> None:
     if POINT == "latest" and path.endswith(checkpoint_io.LATEST) and TARGET in data.decode():
         _die()
@@ -39,4 +53,5 @@ def replace_durable(path: str, data: bytes) -> None:
 
 checkpoint_io.write_durable = checkpoint.write_durable = write_durable
 checkpoint_io.replace_durable = checkpoint.replace_durable = replace_durable
+checkpoint_io.write_durable_stream = write_durable_stream
 sys.exit(main(["train", *sys.argv[2:]]))

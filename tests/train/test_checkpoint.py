@@ -118,8 +118,10 @@ def test_each_tensor_written_once_latest_and_keep(zero, tmp_path):
     with open(os.path.join(root, "latest")) as f:
         assert f.read().strip() == "step-00000003"
     step = os.path.join(root, "step-00000003")
-    # only dp = 0 ranks (0 and 1: tp 0 and 1) write; sidecars were merged and removed
-    assert sorted(os.listdir(step)) == ["metadata.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+    # without ZeRO only the dp = 0 ranks (0 and 1: tp 0 and 1) write; under ZeRO every rank writes
+    # its own shard; sidecars were merged and removed
+    writers = [0, 1, 2, 3] if zero else [0, 1]
+    assert sorted(os.listdir(step)) == ["metadata.json"] + [f"rank-{r:05d}.safetensors" for r in writers]
     with open(os.path.join(step, "metadata.json")) as f:
         meta = json.load(f)
     full = dict(Llama(CFG).named_parameters())
@@ -130,13 +132,20 @@ def test_each_tensor_written_once_latest_and_keep(zero, tmp_path):
     assert set(by_key) == want_keys
     for key, es in by_key.items():
         name = key.split("/")[1]
-        assert sorted(e["index"] for e in es) == list(range(es[0]["parts"])), key  # each slice once
         assert {tuple(e["shape"]) for e in es} == {tuple(full[name].shape)}, key
-        assert es[0]["parts"] == (1 if "norm" in name else 2), key  # tp slices; norms are whole
+        count = torch.zeros(full[name].shape, dtype=torch.int32)
+        for e in es:
+            count[tuple(slice(lo, hi) for lo, hi in e["box"])] += 1
+        assert torch.equal(count, torch.ones_like(count)), key  # every element written exactly once
+        if not zero:
+            assert len(es) == (1 if "norm" in name else 2), key  # tp slices; norms are whole
     stored = 0
-    for fname in ("rank-00000.safetensors", "rank-00001.safetensors"):
+    for r in writers:  # safetensors itself reads every piece, with the extent its box says
+        fname = f"rank-{r:05d}.safetensors"
         with safe_open(os.path.join(step, fname), framework="pt") as f:
             stored += len(list(f.keys()))
+            for e in (e for e in meta["entries"] if e["file"] == fname):
+                assert list(f.get_tensor(e["name"]).shape) == [hi - lo for lo, hi in e["box"]], e
     assert stored == len(meta["entries"])
     assert set(meta["optimizer"]["scalars"]) == set(full)
     assert meta["optimizer"]["scalars"]["norm.weight"]["step"]["__tensor__"] == [3.0]
