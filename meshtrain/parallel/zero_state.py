@@ -1,14 +1,20 @@
-"""Sharded state of a ZeRO model and optimizer: what each rank saves, and how any dp size loads it.
+"""What a ZeRO rank holds of each full parameter, as boxes: the one description that checkpoints
+(``train/checkpoint_state.py``) and the in-memory shard states below both use.
 
-A rank's shard state names every piece it holds: ``{name: [(start, values), ...]}``, where
-``values`` are the parameter's flattened elements ``[start, start + len)``. It also records every
-parameter's global shape. Loading under another dp size gathers, for each parameter, the pieces
-that overlap the new shard, from the shard states of every saving rank. No collective is needed,
-and the saved files never depend on the dp size that reads them.
+A rank owns a contiguous range of each unit's flat buffer, so its part of one parameter is a flat
+range of that parameter. ``flat_boxes`` cuts a flat range into boxes of the parameter (a partial
+first row, whole rows, a partial last row, recursively: at most 2 x ndim - 1, each contiguous in
+memory), and ``unit_regions`` gives, per parameter, each box with where it starts in the shard.
+
+A shard state names every piece a rank holds: ``{name: [(box, values), ...]}``, plus every
+parameter's shape. Loading under another dp size copies, for each box this rank needs, the
+overlapping parts of the pieces of every saving rank. No collective is needed, and what is saved
+never depends on the dp size that reads it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -16,31 +22,74 @@ import torch
 if TYPE_CHECKING:
     from .flat_unit import FlatUnit
 
-Pieces = dict[str, list[tuple[int, torch.Tensor]]]
+Box = tuple[tuple[int, int], ...]  # (lo, hi) per dim of the full tensor
+Pieces = dict[str, list[tuple[Box, torch.Tensor]]]
+
+
+def flat_boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[Box, int]]:
+    """Elements [a, b) of a row-major tensor of ``shape`` as boxes (each contiguous in memory), with
+    the flat index each starts at."""
+    if b <= a:
+        return []
+    if len(shape) <= 1:
+        return [(((a, b),) if len(shape) else (), a)]
+    inner = math.prod(shape[1:])
+    first, last = -(-a // inner), b // inner  # the whole rows are [first, last)
+    if first > last:  # inside one row
+        r = a // inner
+        return [(((r, r + 1),) + box, s + r * inner) for box, s in flat_boxes(shape[1:], a - r * inner, b - r * inner)]
+    out: list[tuple[Box, int]] = []
+    if a < first * inner:
+        r = first - 1
+        out += [(((r, r + 1),) + box, s + r * inner) for box, s in flat_boxes(shape[1:], a - r * inner, inner)]
+    if last > first:
+        out.append((((first, last),) + tuple((0, n) for n in shape[1:]), first * inner))
+    if b > last * inner:
+        out += [(((last, last + 1),) + box, s + last * inner) for box, s in flat_boxes(shape[1:], 0, b - last * inner)]
+    return out
+
+
+def unit_regions(u: "FlatUnit") -> dict[str, list[tuple[Box, int]]]:
+    """Per parameter of ``u`` (every one, maybe with no box): the boxes of it this rank's shard
+    holds, each with the index in the shard where its values start."""
+    out: dict[str, list[tuple[Box, int]]] = {n: [] for n in u.names}
+    for name, p_start, s_start, length in u.param_name_slices():
+        shape = u.shapes[u.names.index(name)]
+        out[name] += [(box, s_start + f - p_start) for box, f in flat_boxes(shape, p_start, p_start + length)]
+    return out
+
+
+def extent(box: Box) -> list[int]:
+    """A box's size per dim."""
+    return [hi - lo for lo, hi in box]
 
 
 def unit_pieces(u: "FlatUnit", shard: torch.Tensor) -> Pieces:
-    """The pieces of each parameter held in ``shard`` (a tensor laid out like ``u.master``)."""
-    out: Pieces = {}
-    for name, p_start, s_start, length in u.param_name_slices():
-        out.setdefault(name, []).append((p_start, shard[s_start : s_start + length].detach().clone()))
-    return out
+    """The pieces of each parameter held in ``shard`` (a tensor laid out like ``u.master``), copied."""
+    return {name: [(box, shard[s : s + math.prod(extent(box))].detach().clone().view(extent(box)))
+                   for box, s in regions]
+            for name, regions in unit_regions(u).items() if regions}
 
 
 def shard_from_pieces(u: "FlatUnit", pieces: Sequence[Pieces], dtype: torch.dtype, what: str) -> torch.Tensor:
     """Assemble this rank's shard of ``u`` from the pieces of any set of saving ranks."""
     out = torch.zeros(u.shard_size, dtype=dtype, device=u.master.device)
-    for name, p_start, s_start, length in u.param_name_slices():
-        covered = 0
-        for src in pieces:
-            for start, vals in src.get(name, []):
-                a, b = max(start, p_start), min(start + vals.numel(), p_start + length)
-                if a < b:
-                    out[s_start + a - p_start : s_start + b - p_start] = vals[a - start : b - start].to(dtype)
-                    covered += b - a
-        if covered != length:
+    for name, regions in unit_regions(u).items():
+        need = covered = 0
+        for box, s in regions:
+            dst = out[s : s + math.prod(extent(box))].view(extent(box))
+            need += dst.numel()
+            for src in pieces:
+                for sbox, vals in src.get(name, []):
+                    inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, sbox)]
+                    if any(lo >= hi for lo, hi in inter):
+                        continue
+                    part = vals[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sbox))]
+                    dst[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, box))] = part.to(dtype)
+                    covered += part.numel()
+        if covered != need:
             raise ValueError(
-                f"{what} {name}: the given shards cover {covered} of the {length} elements this rank "
+                f"{what} {name}: the given shards cover {covered} of the {need} elements this rank "
                 f"needs; pass the shard states of every rank that saved the checkpoint"
             )
     return out
@@ -105,5 +154,3 @@ def load_optimizer_shards(units: Sequence["FlatUnit"], opt: torch.optim.Optimize
         opt.state[u.master] = new
     for g, saved in zip(opt.param_groups, shards[0]["param_groups"]):
         g.update(saved)
-
-

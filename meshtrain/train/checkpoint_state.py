@@ -7,8 +7,8 @@ the pieces this rank is the first replica of, a load reads into the same views a
 ``load_state_dict`` to finish (refresh ZeRO's compute parameters, install optimizer state).
 
 One description covers every layout: a plain parameter is one box (its tp slice); under ZeRO a
-rank holds a contiguous range of each unit's flat fp32 master, which is cut into at most
-2 x ndim - 1 boxes per parameter (``flat_boxes``). So no rank ever gathers another rank's shard.
+rank holds a contiguous range of each unit's flat fp32 master, which ``parallel/zero_state.py``
+cuts into at most 2 x ndim - 1 boxes per parameter. So no rank ever gathers another rank's shard.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch
 from ..errors import CheckpointError
 from ..parallel.parallel_model import ParallelModel, ParallelOptimizer, unwrap
 from ..parallel.zero import ZeroModel
+from ..parallel.zero_state import unit_regions
 from .checkpoint_io import Box, to_json
 
-__all__ = ["ShardedTensor", "ModelState", "OptimizerState", "flat_boxes"]
+__all__ = ["ShardedTensor", "ModelState", "OptimizerState"]
 
 
 @dataclass
@@ -68,29 +69,6 @@ class ShardedTensor:
     write: bool = True
 
 
-def flat_boxes(shape: list[int] | tuple[int, ...], a: int, b: int) -> list[tuple[Box, int]]:
-    """Elements [a, b) of a row-major tensor of ``shape`` as boxes (each contiguous in memory), with
-    the flat index each starts at: a partial first row, whole rows, a partial last row, recursively."""
-    if b <= a:
-        return []
-    if len(shape) <= 1:
-        return [(((a, b),) if shape else (), a)]
-    inner = math.prod(shape[1:])
-    first, last = -(-a // inner), b // inner  # the whole rows are [first, last)
-    if first > last:  # inside one row
-        r = a // inner
-        return [(((r, r + 1),) + box, s + r * inner) for box, s in flat_boxes(shape[1:], a - r * inner, b - r * inner)]
-    out: list[tuple[Box, int]] = []
-    if a < first * inner:
-        r = first - 1
-        out += [(((r, r + 1),) + box, s + r * inner) for box, s in flat_boxes(shape[1:], a - r * inner, inner)]
-    if last > first:
-        out.append((((first, last),) + tuple((0, n) for n in shape[1:]), first * inner))
-    if b > last * inner:
-        out += [(((last, last + 1),) + box, s + last * inner) for box, s in flat_boxes(shape[1:], 0, b - last * inner)]
-    return out
-
-
 def _tp_shift(box: Box, local_shape: list[int], shard: tuple[int, int, int]) -> Box:
     """A box of a tp-local tensor as a box of the full tensor (slice ``index`` along ``dim``)."""
     dim, index, parts = shard
@@ -122,16 +100,13 @@ def param_slots(model: ParallelModel) -> list[Slot]:
         if isinstance(stage, ZeroModel):
             params = dict(unwrap(stage).named_parameters())
             for u in stage.units:
-                per: dict[str, list[Region]] = {n: [] for n in u.names}
-                for name, p_start, s_start, length in u.param_name_slices():
-                    local = list(u.shapes[u.names.index(name)])
-                    shard = getattr(params[name], "shard", (0, 0, 1))
-                    for box, f in flat_boxes(local, p_start, p_start + length):
-                        per[name].append(Region(_tp_shift(box, local, shard), s_start + f - p_start))
+                regions = unit_regions(u)
                 for name, shape in zip(u.names, u.shapes):
                     shard = getattr(params[name], "shard", (0, 0, 1))
                     over = {"dp", "cp"} | ({"tp"} if shard[2] > 1 else set())
-                    slots.append(Slot(name, _full_shape(list(shape), shard), u.master, per[name],
+                    local = list(shape)
+                    slots.append(Slot(name, _full_shape(local, shard), u.master,
+                                      [Region(_tp_shift(box, local, shard), start) for box, start in regions[name]],
                                       _first_replica(model, over)))
                     seen.add(name)
         else:

@@ -21,11 +21,11 @@ from meshtrain.errors import CheckpointError
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.parallel_model import ParallelModel
 from meshtrain.parallel.parallelize import ParallelConfig
+from meshtrain.parallel.zero_state import flat_boxes
 from meshtrain.train import checkpoint_io
 from meshtrain.train.checkpoint import load_checkpoint, save_checkpoint
 from meshtrain.train.checkpoint_io import (FORMAT, METADATA, VERSION, CheckpointReader, merge_sidecars,
                                            write_rank_shard)
-from meshtrain.train.checkpoint_state import flat_boxes
 
 from .test_checkpoint_compat import TINY
 
