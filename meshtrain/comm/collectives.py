@@ -36,6 +36,8 @@ def _group(group: Group | None) -> Group:
 def _check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        _check_device(t, what)
     return t
 
 
@@ -47,6 +49,16 @@ def _algorithm(g: Group, op: str, algorithm: str, nbytes: int) -> str:
         hint = " ('native' needs the torch transport)" if algorithm == "native" else ""
         raise ValueError(f"unknown algorithm {algorithm!r} for {op}{hint}: use one of {valid} or 'auto'")
     return algorithm
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    """The shm transport moves bytes through host shared memory: a GPU tensor there would cost a
+    hidden device-to-host copy per step at best, so it is refused, with the fix."""
+    if current().transport.kind == "shm":
+        raise ValueError(
+            f"{what} is on {t.device}, but the shm transport moves CPU tensors through shared memory: "
+            f"for GPU tensors use init(transport='torch') over an NCCL process group (transport "
+            f"'auto' does so when CUDA is available), or pass a CPU tensor (tensor.cpu())")
 
 
 def _flat(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
@@ -168,7 +180,7 @@ def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.
             shm_direct.all_gather_lists(ctx, inp, outs)
             return outs
         n = inp.numel()
-        buf = whole if whole is not None else ctx.scratch("all_gather_out", n * g.size, inp.dtype)
+        buf = whole if whole is not None else ctx.scratch("all_gather_out", n * g.size, inp.dtype, inp.device)
         mine = buf[ctx.rank * n : (ctx.rank + 1) * n]
         if not (inp.is_contiguous() and mine.data_ptr() == inp.data_ptr()):  # not already in place
             mine.copy_(inp.reshape(-1))
@@ -242,7 +254,7 @@ def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins
         if algo == "shm" and wd == out.dtype and shm_direct.reduce_scatter_lists(ctx, ins, out, rop):
             _finish_avg(out, rop, g.size)  # straight from the inputs, no staging buffer
             return out
-        buf = ctx.scratch("rs_in", n * g.size, wd)
+        buf = ctx.scratch("rs_in", n * g.size, wd, out.device)
         for i, t in enumerate(ins):
             buf[i * n : (i + 1) * n].copy_(t.reshape(-1))
         lookup("reduce_scatter", algo)(ctx, buf, rop)

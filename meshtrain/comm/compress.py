@@ -86,9 +86,9 @@ class Int8Hook:
         all_to_all(list(rscale.split(1)), list(scale.split(1)), group=group)
         mine = (rq.float() * rscale).sum(0).div_(p)
         mq, ms = _quantize(mine.view(1, per))
-        allq = torch.empty(p, per, dtype=torch.int8)
+        allq = torch.empty(p, per, dtype=torch.int8, device=x.device)
         all_gather_into_tensor(_as_int32(allq).view(-1), _as_int32(mq).view(-1), group=group, algorithm=ALGORITHM)
-        alls = torch.empty(p, 1)
+        alls = torch.empty(p, 1, device=x.device)
         all_gather_into_tensor(alls.view(-1), ms.view(-1), group=group, algorithm=ALGORITHM)
         return (allq.float() * alls).view(-1)[: buf.numel()].to(buf.dtype)
 
@@ -118,11 +118,11 @@ class TopKHook:
         err = acc.clone()
         err[idx] = 0
         self.errors[bucket.index] = err
-        all_idx = torch.empty(p * k, dtype=torch.int32)
-        all_vals = torch.empty(p * k)
+        all_idx = torch.empty(p * k, dtype=torch.int32, device=buf.device)
+        all_vals = torch.empty(p * k, device=buf.device)
         all_gather_into_tensor(all_idx, idx.to(torch.int32), group=group, algorithm=ALGORITHM)
         all_gather_into_tensor(all_vals, vals, group=group, algorithm=ALGORITHM)
-        out = torch.zeros(n)
+        out = torch.zeros(n, device=buf.device)
         out.index_add_(0, all_idx.long(), all_vals)
         return out.div_(p).to(buf.dtype)
 
@@ -162,7 +162,7 @@ class PowerSGDHook:
         out = acc.clone()
         if mats:
             r = self.rank
-            qs = [self._q(bucket.index, i, m.shape[1], r) for i, m in mats]
+            qs = [self._q(bucket.index, i, m.shape[1], r).to(acc.device) for i, m in mats]
             ps = [m @ q for (_, m), q in zip(mats, qs)]
             flat_p = torch.cat([x.reshape(-1) for x in ps])
             all_reduce(flat_p, op="avg", group=group, algorithm=ALGORITHM)
@@ -190,7 +190,7 @@ class PowerSGDHook:
 
     def _q(self, b: int, i: int, n: int, r: int) -> torch.Tensor:
         q = self.qs.get((b, i))
-        if q is None:  # identical on every rank: seeded by position, not by rank
+        if q is None:  # identical on every rank: seeded by position, not by rank (on the CPU,
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + b * 1009 + i)
-            q = _orthonormalize(torch.randn(n, r, generator=g))
+            q = _orthonormalize(torch.randn(n, r, generator=g))  # whose stream is the same anywhere)
         return q

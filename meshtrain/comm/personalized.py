@@ -15,9 +15,11 @@ from .types import check_dtype
 from .work import Work
 
 
-def _blocks(ctx: Ctx, algo: str, root: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-    """Scratch of p blocks; ``pos(i)`` is where rank i's block lives (root-relative for 'tree')."""
-    buf = ctx.scratch("personal", n * ctx.size, dtype)
+def _blocks(ctx: Ctx, algo: str, root: int, n: int, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, Any]:
+    """Scratch of p blocks on ``device``; ``pos(i)`` is where rank i's block lives (root-relative
+    for 'tree')."""
+    buf = ctx.scratch("personal", n * ctx.size, dtype, device)
     if algo == "tree":
         return buf, lambda i: (i - root) % ctx.size
     return buf, lambda i: i
@@ -39,7 +41,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
             native.gather(g.torch_group, g.ranks, tensor.contiguous(), gather_list if ctx.rank == root else None, dst)
             return gather_list
         n = tensor.numel()
-        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype)
+        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype, tensor.device)
         me = pos(ctx.rank)
         buf[me * n : (me + 1) * n].copy_(tensor.reshape(-1))
         (tree.gather if algo == "tree" else REGISTRY["gather"][algo])(ctx, buf, root)
@@ -71,7 +73,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
                 tensor.copy_(out)
             return tensor
         n = tensor.numel()
-        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype)
+        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype, tensor.device)
         if ctx.rank == root:
             for i, t in enumerate(scatter_list):
                 buf[pos(i) * n : (pos(i) + 1) * n].copy_(t.reshape(-1))
@@ -104,7 +106,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
         ins = [t.contiguous().view(-1) for t in input_tensor_list]
-        outs = [torch.empty(t.numel(), dtype=t.dtype) for t in output_tensor_list]
+        outs = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in output_tensor_list]
         if algo == "native":
             native.all_to_all(g.torch_group, g.ranks, outs, ins)
         else:

@@ -229,6 +229,10 @@ def choose(group, op: str, nbytes: int) -> str:
     if pref is not None:  # the user's choice (the training config's comm.algorithm) beats the model
         return pref
     t = group.comm.transport
+    if t.kind == "torch" and "nccl" in str(getattr(t, "backend", "")) and "native" in algorithms_for(op, "torch"):
+        # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
+        # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
+        return "native"
     if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
         # this transport at every size measured (docs/benchmarks.md, "auto on the shm

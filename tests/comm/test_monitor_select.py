@@ -102,3 +102,26 @@ def test_coalesced_reuses_its_pool_buffer():
     for ts, no_growth, same in mc.run_local(3, fn):
         assert all(torch.equal(t, torch.full_like(t, 6.0)) for t in ts)
         assert no_growth and same
+
+
+def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
+    """No NCCL here: a stand-in group whose torch transport reports the nccl backend (as
+    dist.get_backend does on a CUDA process group) must get 'native' for every op that has it,
+    and a gloo one must not (it is priced by the model)."""
+    from types import SimpleNamespace
+
+    from meshtrain.comm.algorithms import algorithms_for
+
+    def group(backend: str) -> SimpleNamespace:
+        t = SimpleNamespace(kind="torch", backend=backend)
+        comm = SimpleNamespace(transport=t, preferred_algorithm=None)
+        return SimpleNamespace(comm=comm, size=4, ranks=[0, 1, 2, 3], hosts=["h"] * 4,
+                               cost_model=select.DEFAULTS["torch"])
+
+    ops = [op for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+           if "native" in algorithms_for(op, "torch")]
+    assert ops, "the torch transport offers native collectives"
+    for op in ops:
+        assert select.choose(group("nccl"), op, 1 << 20) == "native"
+        assert select.choose(group("cpu:gloo,cuda:nccl"), op, 1 << 20) == "native"
+    assert any(select.choose(group("gloo"), op, 1 << 20) != "native" for op in ops)

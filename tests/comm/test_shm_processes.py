@@ -168,6 +168,11 @@ def _groups_async_p2p(rank: int) -> dict:
     ts = [torch.ones(2) * rank, torch.ones(3)]
     mc.all_reduce_coalesced(ts, algorithm="shm")
     out["coalesced"] = (ts[0][0].item(), ts[1][0].item())
+    try:  # a tensor off the CPU ("meta" stands in for a GPU here) is refused with the fix
+        mc.all_reduce(torch.empty(4, device="meta"))
+        out["device"] = "accepted"
+    except ValueError as exc:
+        out["device"] = str(exc)
     mc.barrier()
     return out
 
@@ -181,3 +186,4 @@ def test_groups_async_p2p_coalesced_over_shm(monkeypatch):
     assert all(r["coalesced"] == (6.0, 4.0) for r in res)
     assert all(r["strided"] == [0.0, 1.0, 2.0, 3.0] for r in res)
     assert [r["rs_bf16"] for r in res] == [float(sum(q + j for q in range(4))) for j in range(4)]
+    assert all("is on meta, but the shm transport moves CPU tensors" in r["device"] for r in res)

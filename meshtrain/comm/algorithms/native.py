@@ -73,7 +73,7 @@ def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.T
     ins_t = [ins[i].reshape(-1) for i in perm]
     outs_t = [outs[i] for i in perm]
     flat_in = torch.cat(ins_t) if ins_t else torch.empty(0)
-    flat_out = torch.empty(sum(o.numel() for o in outs_t), dtype=flat_in.dtype)
+    flat_out = torch.empty(sum(o.numel() for o in outs_t), dtype=flat_in.dtype, device=flat_in.device)
     dist.all_to_all_single(flat_out, _check(flat_in), [o.numel() for o in outs_t], [t.numel() for t in ins_t], group=pg)
     off = 0
     for o in outs_t:
