@@ -195,6 +195,25 @@ def calibrate(group, force: bool = False) -> CostModel:
     return model
 
 
+def _implicit_calibration(group, op: str) -> None:
+    """``calibrate`` on the first auto call that needs the model, naming the trip it can cause: it
+    meets only members that make an auto call too, so a member whose first call on the group
+    differs (an explicit algorithm, another op) leaves it waiting."""
+    from ..errors import CollectiveTimeout
+    from .transport.base import PeerTimeout
+
+    try:
+        calibrate(group)
+    except PeerTimeout as exc:
+        err = CollectiveTimeout(
+            f"{op} with algorithm='auto' on group {group.gid} (ranks {group.ranks}): its first auto call fits "
+            f"the cost model with every member (calibration), and rank(s) {exc.missing} did not join within "
+            f"{group.timeout:g}s. Make every member's first auto call on the group at the same point, or "
+            "call meshtrain.comm.calibrate(group) on every member first, or pass algorithm= explicitly.")
+        err.missing = exc.missing  # type: ignore[attr-defined]
+        raise err from None
+
+
 def preferred(group, op: str) -> str | None:
     """The communicator's ``preferred_algorithm`` if it can run ``op`` on ``group``, else None.
 
@@ -259,7 +278,7 @@ def choose(group, op: str, nbytes: int) -> str:
             # are the same on every rank; calibrate() still fits the model when asked.
             group.cost_model = DEFAULTS["local"]
         else:
-            calibrate(group)
+            _implicit_calibration(group, op)
     nodes = len(set(group.hosts))
     model: CostModel = group.cost_model
     return min(names, key=lambda n: (model.predict(op, n, nbytes, group.size, nodes), n))

@@ -213,3 +213,17 @@ def test_benchmark_returns_timings_per_shape():
         assert set(per_rank) == {(1000,), (10000,)}
         for t in per_rank.values():
             assert 0 < t["min_s"] <= t["mean_s"] <= t["max_s"] and t["busbw_GBps"] > 0
+
+
+def test_where_auto_still_calibrates_implicitly_a_missing_member_is_named():
+    """Process transports still fit the model on the first auto call that needs it; a member that
+    does not join gets a CollectiveTimeout naming it and the ways out, not a bare 'cal/...' wait."""
+    from meshtrain.comm import select
+
+    def fn(rank):
+        if rank == 0:
+            select._implicit_calibration(mc.current().world, "gather")
+
+    with pytest.raises(mc.CollectiveTimeout, match=r"gather with algorithm='auto' on group 0 .*rank\(s\) \[1\] did "
+                                                   r"not join.*meshtrain.comm.calibrate\(group\)"):
+        mc.run_local(2, fn, timeout=0.5)
