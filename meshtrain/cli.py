@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import pipeline_cli
 
     pipeline_cli.add_arguments(pipe)
+    ckpt = bsub.add_parser("checkpoint", help="peak RSS of a ZeRO save and load vs training steps")
+    from .bench import checkpoint as bench_checkpoint
+
+    bench_checkpoint.add_arguments(ckpt)
     launch = sub.add_parser("launch", help="write a Slurm sbatch script or a Kubeflow PyTorchJob for a config")
     from .train import launch_emit
 
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import train_cli
 
         return train_cli.main(args)
+    if args.command == "bench" and args.bench == "checkpoint":
+        from .bench import checkpoint as bench_checkpoint
+
+        return bench_checkpoint.main(args)
     if args.command == "bench" and args.bench == "pipeline":
         from .bench import pipeline_cli
 
