@@ -275,7 +275,7 @@ def _root(g: Group, root: int | None, group_root: int | None, what: str) -> int:
 
 # ---------------------------------------------------------------------------- object collectives
 # Objects travel pickled, as in torch: unpickling runs code chosen by the sender, so use these only
-# between trusted peers. Bytes are padded to 8 and sent as int64 (meshtrain moves no uint8).
+# between trusted peers. Bytes are padded to 8 and sent as int64 words (8x fewer elements than uint8).
 
 
 def _pack(obj: Any) -> tuple[torch.Tensor, int]:
