@@ -141,11 +141,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark and print per-rank peaks and the ratios to the training peak."""
+    import sys
+
     from ..models.llama import Llama, LlamaConfig
 
     kw = dict(MODEL, dim=args.dim, n_layers=args.layers, vocab_size=args.vocab)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in Llama(LlamaConfig(**kw)).parameters())
+    problem = ("--world must be >= 2" if args.world < 2 else "--steps must be >= 1" if args.steps < 1 else
+               f"--batch {args.batch} is not a multiple of --world {args.world}" if args.batch % args.world else
+               f"--seq {args.seq} exceeds the model's max_seq_len {kw['max_seq_len']}" if args.seq > kw["max_seq_len"]
+               else None)
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Llama(LlamaConfig(**kw)).parameters())
+    except ValueError as exc:
+        problem = problem or f"model: {exc} (set --dim to a multiple of {MODEL['n_heads']} heads)"
+    if problem:
+        print(f"meshtrain bench checkpoint: error: {problem}", file=sys.stderr)
+        return 2
     print(f"Llama {n / 1e6:.0f}M parameters ({kw}), dp{args.world} ZeRO-{args.zero_stage}, {args.world} "
           f"processes over shm, {args.steps} steps of batch {args.batch} x {args.seq}; peak = VmHWM per phase")
     res = run(args.world, kw, args.zero_stage, args.steps, args.batch, args.seq, args.dir, args.timeout)
