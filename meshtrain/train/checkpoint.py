@@ -28,7 +28,7 @@ from ..parallel.parallel_model import ParallelModel, ParallelOptimizer
 from .checkpoint_io import (FORMAT, LATEST, METADATA, STEP_RE, VERSION, Box, CheckpointReader, ReadPlan,
                             committed_steps, from_json, fsync_dir, merge_sidecars, replace_durable, step_dir_name,
                             to_json, write_durable, write_rank_shard)
-from .checkpoint_state import ModelState, OptimizerState, ShardedTensor, Slot
+from .checkpoint_state import ModelState, OptimizerState, ShardedTensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
@@ -270,10 +270,10 @@ def _check(reader: CheckpointReader, key: str, shape: list[int]) -> None:
                               f"({key}) but this model has {tuple(shape)}; {hint}")
 
 
-def _plan(reader: CheckpointReader, key: str, slot: Slot) -> list[ReadPlan]:
-    """Checked plans to read each of ``slot``'s regions of tensor ``key``."""
-    _check(reader, key, slot.shape)
-    return [reader.plan(key, r.box) for r in slot.regions]
+def _plan(reader: CheckpointReader, key: str, st: ShardedTensor) -> list[ReadPlan]:
+    """Checked plans to read each of ``st``'s pieces of tensor ``key`` from the checkpoint."""
+    _check(reader, key, st.shape)
+    return [reader.plan(key, box) for box, _ in st.pieces]
 
 
 def _groups(reader: CheckpointReader, current: list[dict]) -> list[dict]:
@@ -286,8 +286,10 @@ def _groups(reader: CheckpointReader, current: list[dict]) -> list[dict]:
 
 
 class _Load:
-    """A checked load: every box this rank needs, planned (phase 1: nothing changed yet); ``run``
-    reads them into the live tensors and finishes (phase 2, after every rank's phase 1 passed)."""
+    """A load in torch.distributed.checkpoint's manner: the state objects' ``state_dict()`` views
+    say what to read where. Phase 1 (construction) plans and checks every read and changes nothing;
+    ``run`` (once every rank's phase 1 passed) reads into the views; ``finish`` calls
+    ``load_state_dict``."""
 
     def __init__(self, path: str, model: ParallelModel, optimizer: ParallelOptimizer | None, verify: bool) -> None:
         self.reader = reader = CheckpointReader(path, verify)
@@ -296,9 +298,10 @@ class _Load:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state (it was saved without an "
                                       f"optimizer); pass optimizer=None to load only the model weights")
             self.model = ModelState(model)
-            self.reads = [(s, s.holder, _plan(reader, f"model/{s.name}", s)) for s in self.model.params]
-            self.reads += [(s, s.holder, _plan(reader, f"model/{s.name}", s)) for s, _ in self.model.buffers
-                           if reader.has(f"model/{s.name}")]
+            buffers = {f"model/{s.name}" for s, _ in self.model.buffers}
+            # a buffer the checkpoint lacks keeps its value (buffers are derived, e.g. rotary tables)
+            self.state = {k: st for k, st in self.model.state_dict().items() if k not in buffers or reader.has(k)}
+            self.plans = {k: _plan(reader, k, st) for k, st in self.state.items()}
             self.optim: OptimizerState | None = None
             if optimizer is not None:
                 self._plan_optimizer(OptimizerState(model, optimizer, self.model.params))
@@ -308,9 +311,10 @@ class _Load:
             raise
 
     def _plan_optimizer(self, optim: OptimizerState) -> None:
+        """The optimizer's state tensors are cut like their parameters: plan them on its pieces."""
         reader, meta = self.reader, self.reader.meta["optimizer"]
-        self.optim, self.opt_reads = optim, []
-        self.keys: dict[str, list[str]] = {}
+        self.optim = optim
+        self.keys: dict[str, list[str]] = {}  # parameter name -> state keys the checkpoint holds
         self.scalars = {n: from_json(v) for n, v in meta["scalars"].items()}
         for s in optim.slots:
             prefix = f"optim/{s.name}/"
@@ -318,24 +322,26 @@ class _Load:
             if not self.keys[s.name] and s.name not in self.scalars and meta["has_state"]:
                 raise CheckpointError(f"checkpoint {reader.path} has no optimizer state for parameter {s.name}; "
                                       f"it was saved from a different model (the model config must match)")
-            self.opt_reads += [(s, k, _plan(reader, prefix + k, s)) for k in self.keys[s.name]]
+            for k in self.keys[s.name]:
+                self.plans[prefix + k] = _plan(reader, prefix + k, self.state[f"model/{s.name}"])
         self.groups = [_groups(reader, opt.param_groups) for opt in optim.torch_optimizers]
 
     def run(self) -> None:
-        """Read every planned box into place, one bounded buffer at a time, and finish the load."""
+        """Read every planned box into its view, through one bounded buffer."""
         with self.reader:
-            for s, holder, plans in self.reads:
-                for view, plan in zip(s.views(holder), plans):
+            for key, st in self.state.items():
+                for (_, view), plan in zip(st.pieces, self.plans[key]):
                     self.reader.read_into(plan, view)
             if self.optim is not None:
-                self.optim.allocate(self.keys)
-                for s, k, plans in self.opt_reads:
-                    for view, plan in zip(s.views(self.optim.state_of(s)[k]), plans):
+                self.optim.allocate(self.keys)  # zeros where the optimizer has not stepped yet
+                tensors, _, _ = self.optim.state_dict()
+                for key, st in tensors.items():
+                    for (_, view), plan in zip(st.pieces, self.plans.get(key, [])):
                         self.reader.read_into(plan, view)
 
     def finish(self) -> None:
         """Collective: refresh ZeRO's compute parameters; install optimizer scalars and groups."""
-        self.model.load_state_dict({f"model/{s.name}": ShardedTensor(s.shape) for s, _, _ in self.reads})
+        self.model.load_state_dict(self.state)
         if self.optim is not None:
             self.optim.load_state_dict(self.scalars, self.groups, self.keys)
 

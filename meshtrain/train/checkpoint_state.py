@@ -152,9 +152,10 @@ class ModelState:
         return out
 
     def load_state_dict(self, state: dict[str, ShardedTensor]) -> None:
-        """Finish a load whose pieces were read into ``state_dict()``'s views: bring the buffers
-        back (a ZeRO buffer may be a converted copy) and refresh ZeRO's compute parameters from the
-        masters (collective over each stage's dp x cp group, in the same order on every rank)."""
+        """Finish a load that read into the views of ``state`` (from ``state_dict()``; a buffer
+        left out of it keeps its value): copy the buffers back where the view was a converted
+        copy, and refresh ZeRO's compute parameters from the masters (collective over each stage's
+        dp x cp group, in the same order on every rank)."""
         for s, live in self.buffers:
             if s.holder is not live and f"model/{s.name}" in state:
                 with torch.no_grad():
