@@ -20,7 +20,8 @@ this process) an operator call starts its rank's part of the collective and:
   done, as torch.distributed does.
 
 A call that fails its argument checks while other ranks' parts of a collective are open aborts
-the topology (they fail at once, instead of at the timeout). ``DistributedCommunicator(rank,
+the topology (they fail at once, instead of at the timeout); so does the interpreter's exit for a
+collective left open. ``DistributedCommunicator(rank,
 world_size)`` on a ``run_local`` thread (or after ``init()``) uses that rank's communicator, and
 every call blocks: ``run_local(4, lambda rank: AllReduceOperator(DistributedCommunicator(rank,
 4)).all_reduce(grads[rank]))``.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -85,6 +87,21 @@ class DistributedCommunicator:
         self._run(lambda async_op: _barrier(group=self.group, async_op=async_op), None)
 
 
+_LIVE: "weakref.WeakSet[_Topology]" = weakref.WeakSet()
+
+
+def _abort_open_at_exit() -> None:
+    # A loop that never called some rank leaves its other ranks' parts waiting on the groups'
+    # worker threads, which the interpreter joins at exit: without this, exit waits out the timeout.
+    for topo in list(_LIVE):
+        if topo.has_open():
+            topo.world.abort("the interpreter is exiting with this collective still open")
+
+
+# Runs before concurrent.futures joins its workers (threading's exit hooks run in reverse order).
+threading._register_atexit(_abort_open_at_exit)  # type: ignore[attr-defined]
+
+
 class _Topology:
     """The ranks of one ``create_ring_topology`` world and its open collectives: the works of the
     ranks that have called the n-th collective, until its last rank does."""
@@ -98,6 +115,12 @@ class _Topology:
         self._calls = [0] * self.size
         self._open: dict[int, list[Work]] = {}
         self._first_rank: dict[int, int] = {}  # thread -> the first rank it called for
+        _LIVE.add(self)
+
+    def has_open(self) -> bool:
+        """True while some collective has been called by some ranks but not yet by all."""
+        with self._lock:
+            return bool(self._open)
 
     def drives(self, rank: int) -> bool:
         """True if the calling thread plays several ranks (so it must not block on one)."""
@@ -109,9 +132,7 @@ class _Topology:
     def failed(self, rank: int, exc: BaseException) -> None:
         """``rank``'s call raised before starting: abort if other ranks' parts are open (they would
         wait for it until the timeout)."""
-        with self._lock:
-            stuck = bool(self._open)
-        if stuck:
+        if self.has_open():
             self.world.abort(f"rank {rank}'s call failed: {type(exc).__name__}: {exc}")
 
     def run(self, rank: int, launch: Callable[[bool], Work | None], out: Any) -> Any:

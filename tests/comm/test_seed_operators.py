@@ -227,3 +227,18 @@ def test_where_auto_still_calibrates_implicitly_a_missing_member_is_named():
     with pytest.raises(mc.CollectiveTimeout, match=r"gather with algorithm='auto' on group 0 .*rank\(s\) \[1\] did "
                                                    r"not join.*meshtrain.comm.calibrate\(group\)"):
         mc.run_local(2, fn, timeout=0.5)
+
+
+def test_exit_does_not_wait_for_a_collective_the_loop_left_open():
+    """Calling only rank 0 leaves the others' parts open; the interpreter still exits at once
+    (they are aborted before its worker threads are joined), not after the 30 s timeout."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom meshtrain.comm.operators import AllReduceOperator, create_ring_topology\n"
+            "ops = [AllReduceOperator(c) for c in create_ring_topology(4, timeout=30)]\n"
+            "ops[0].all_reduce(torch.ones(3))\nprint('returned')\n")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr
+    assert time.perf_counter() - t0 < 25
