@@ -77,6 +77,8 @@ RESUMES = {
     "tp2xdp2->cp2-zero3": ((dict(tp=2, dp=2), dict(sequence_parallel=True)), (dict(cp=2), dict(zero_stage=3))),
     "pp2-interleaved-zero2->dp2": ((dict(pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2,
                                                     zero_stage=2)), (dict(dp=2), {})),
+    # ZeRO to ZeRO: tp-sliced flat shards of dp2 re-cut into dp4 shards of whole parameters
+    "tp2xdp2-zero3->dp4-zero2": ((dict(tp=2, dp=2), dict(zero_stage=3)), (dict(dp=4), dict(zero_stage=2))),
 }
 
 
