@@ -35,7 +35,6 @@ METADATA, LATEST = "metadata.json", "latest"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
 SHARD_RE = re.compile(r"^rank-\d{5,}\.safetensors$")
 
-Shard = tuple[int, int, int]  # (dim, index, parts): format 1's description of a piece
 Box = tuple[tuple[int, int], ...]  # (lo, hi) per dim of the full tensor
 
 # safetensors' dtype names; safetensors' own writer is not used because it serialises every tensor
