@@ -414,7 +414,7 @@ class CheckpointReader:
             parts.append((self._stored(e), inter))
             covered += math.prod(hi - lo for lo, hi in inter)
         need = math.prod(hi - lo for lo, hi in box)
-        if covered != need or not parts:
+        if covered != need or (need and not parts):
             raise CheckpointError(f"checkpoint {self.path}: the saved pieces of {key!r} cover {covered} of the "
                                   f"{need} values this rank needs; the metadata is inconsistent, resume from "
                                   f"another checkpoint")
@@ -424,7 +424,8 @@ class CheckpointReader:
         """A new tensor holding box ``box`` of ``key``, in the saved dtype (export reads whole tensors
         this way). The caller has checked that ``key`` exists and the shapes agree."""
         plan = self.plan(key, tuple(box))
-        out = torch.empty([hi - lo for lo, hi in box], dtype=plan.parts[0][0].dtype)
+        dtype = plan.parts[0][0].dtype if plan.parts else getattr(torch, self.entries[key][0]["dtype"])
+        out = torch.empty([hi - lo for lo, hi in box], dtype=dtype)
         self.read_into(plan, out)
         return out
 
