@@ -183,10 +183,6 @@ class OptimizerState:
             raise CheckpointError(f"internal error: a parameter ({tuple(holder.shape)}) is in no optimizer")
         return self._by_param[id(holder)]
 
-    def state_of(self, slot: Slot) -> dict[str, Any]:
-        """The torch optimizer's state of the tensor holding ``slot`` (shared by a ZeRO unit's slots)."""
-        return self._owner(slot.holder).state.get(slot.holder, {})
-
     def state_dict(self) -> tuple[dict[str, ShardedTensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """(tensors as views, scalars per parameter name as JSON, param groups without params)."""
         tensors: dict[str, ShardedTensor] = {}
