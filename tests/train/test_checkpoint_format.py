@@ -140,3 +140,28 @@ def test_a_zero_save_gathers_nothing_and_each_rank_writes_its_own_shard(stage, t
     # (one all-gather per unit, into the buffers they always keep); ZeRO-3 gathers at the next forward
     units = 1 + TINY.n_layers  # the root unit (embedding, norm, head) and one per block
     assert [g for _, g, _ in loaded] == [0 if stage == 3 else units] * 2
+
+
+def test_a_checkpoint_that_does_not_fit_changes_nothing_on_any_rank(tmp_path):
+    """Rank 1's shard file is gone: every rank raises, and no rank has changed a parameter or its
+    optimizer state (the load checks everything before any rank reads into the model)."""
+    root = str(tmp_path)
+
+    def save(rank: int) -> None:
+        model = ParallelModel(TINY, Mesh(tp=2), ParallelConfig(), seed=0)
+        save_checkpoint(root, 1, model, model.build_optimizer(torch.optim.AdamW, lr=1e-3), {})
+
+    comm.run_local(2, save, timeout=60)
+    os.remove(os.path.join(root, "step-00000001", "rank-00001.safetensors"))
+
+    def load(rank: int) -> tuple[str, bool]:
+        model = ParallelModel(TINY, Mesh(tp=2), ParallelConfig(), seed=5)  # other values than saved
+        opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(root, model, opt)
+        same = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        return str(info.value), same and not opt.optimizers[0].state
+
+    for msg, unchanged in comm.run_local(2, load, timeout=60):
+        assert "rank-00001.safetensors is missing" in msg and unchanged
