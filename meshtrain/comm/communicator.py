@@ -120,6 +120,15 @@ class Communicator:
         self.world = Group(self, 0, range(self.world_size), timeout, torch_world)
         self.groups: list[Group] = [self.world]
         self.liveness: Any = None  # the heartbeat monitor of a process world (comm.init)
+        self._check_thread: ThreadPoolExecutor | None = None
+        self._check_lock = threading.Lock()
+
+    def check_thread(self) -> ThreadPoolExecutor:
+        """The thread that runs metadata checks beside native ops (``runner``), made on first use."""
+        with self._check_lock:
+            if self._check_thread is None:
+                self._check_thread = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-check")
+            return self._check_thread
 
     def new_group(self, ranks: Sequence[int] | None = None, timeout: float | None = None) -> Group:
         """Create a group of global ``ranks`` (all ranks of the world must call this, in order)."""
@@ -147,6 +156,9 @@ class Communicator:
         """Stop worker threads and close the transport."""
         for g in self.groups:
             g.close()
+        if self._check_thread is not None:
+            self._check_thread.shutdown(wait=False, cancel_futures=True)
+            self._check_thread = None
         self.transport.close()
 
 

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
-from .algorithms import hierarchical, shm_direct
+from .algorithms import hierarchical, native, shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group
 from .transport.base import FingerprintMismatch, PeerTimeout
@@ -107,18 +107,19 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         local = shm_direct.usable(ctx)
         fused = checked and not force_exchange and pairwise is None and (
             local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
+        beside = checked and not fused and not force_exchange and meta.get("algorithm") == "native"
         try:
             if checked:
                 payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
                 if fused:
                     ctx.fingerprint = fingerprint(payload)
-                else:
+                elif not beside:
                     payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
                     _compare(name, seq, g, payloads)
             try:
                 if fused and local and meta.get("algorithm") != "shm":
                     shm_direct.check_only(ctx)
-                result = body(ctx)
+                result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
             except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
                 payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
                 _compare(name, seq, g, payloads)
@@ -145,6 +146,37 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
     g.drain()
     execute()
     return None
+
+
+def _native_checked_beside(g: Group, name: str, seq: int, payload: str, body: Callable[[Ctx], Any],
+                           ctx: Ctx) -> Any:
+    """Run a native (torch.distributed) call with its metadata check beside it instead of before
+    it: the store exchange runs on the communicator's check thread while torch's op is in flight,
+    so its round trips (about 1 ms here, as much as a small gloo all-reduce) overlap the op. The op
+    is waited for until it completes or the check fails; a mismatch is then named at once even
+    where torch would hang. Unlike the check before the op, a mismatch leaves torch's group with an
+    op that some ranks never joined: the process group is not usable after it (as in torch)."""
+    comm = g.comm
+    guard = native.Guard()
+    check = comm.check_thread().submit(comm.transport.exchange, f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+
+    def verdict(f: Any) -> None:
+        try:
+            _compare(name, seq, g, f.result())
+        except BaseException:  # noqa: BLE001 - a mismatch or timeout: stop waiting for the op
+            guard.fail()
+        guard.checked.set()
+
+    check.add_done_callback(verdict)
+    try:
+        with native.guarded(guard):
+            result = body(ctx)
+    except native.Aborted:
+        result = None
+    _compare(name, seq, g, check.result())  # raises the mismatch (or the PeerTimeout) it found
+    if guard.failed:
+        raise CollectiveMismatch(f"bug: {name} #{seq}: the check beside it failed without a mismatch")
+    return result
 
 
 def _who_arrived(g: Group, key: str, payload: str, exc: PeerTimeout) -> PeerTimeout:

@@ -155,31 +155,38 @@ def test_groups_async_p2p_coalesced_over_gloo():
     assert all(r["coalesced"] == (6.0, 4.0) for r in res)
 
 
-def _mismatch(rank: int) -> None:
+def _mismatch(rank: int, op: str, algo: str) -> None:
     import meshtrain.comm as mc
 
-    mc.all_reduce(torch.ones(4 if rank != 1 else 6), algorithm="ring")
+    n = 4 if rank != 1 else 6
+    if op == "all_reduce":
+        mc.all_reduce(torch.ones(n), algorithm=algo)
+    else:  # gloo's reduce_scatter work has no future: the check beside it is awaited first
+        mc.reduce_scatter_tensor(torch.empty(n), torch.ones(3 * n), algorithm=algo)
 
 
-def _skip(rank: int) -> None:
+def _skip(rank: int, algo: str) -> None:
     import meshtrain.comm as mc
 
     mc.all_reduce(torch.ones(4))
     if rank != 2:
-        mc.all_reduce(torch.ones(4), algorithm="ring")
+        mc.all_reduce(torch.ones(4), algorithm=algo)
     else:
         time.sleep(8)
 
 
-def test_mismatch_over_gloo_is_an_error_not_a_hang():
+# "native" runs torch's op with the metadata check beside it (runner._native_checked_beside)
+@pytest.mark.parametrize("op, algo", [("all_reduce", "ring"), ("all_reduce", "native"), ("reduce_scatter", "native")])
+def test_mismatch_over_gloo_is_an_error_not_a_hang(op, algo):
     t0 = time.monotonic()
-    with pytest.raises(CollectiveMismatch, match=r"ranks \[1\]: all_reduce shapes=\[\[6\]\]"):
-        spawn(3, _mismatch, timeout=60, comm_timeout=20)
+    with pytest.raises(CollectiveMismatch, match=rf"ranks \[1\]: {op}\w* shapes=\[\[6\]\]"):
+        spawn(3, _mismatch, op, algo, timeout=60, comm_timeout=20)
     assert time.monotonic() - t0 < 30  # well before the 20 s collective timeout plus startup
 
 
-def test_missing_rank_over_gloo_is_named_within_the_timeout():
+@pytest.mark.parametrize("algo", ["ring", "native"])
+def test_missing_rank_over_gloo_is_named_within_the_timeout(algo):
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeout, match=r"all_reduce #2 .*rank\(s\) \[2\] never called it"):
-        spawn(3, _skip, timeout=60, comm_timeout=3)
+        spawn(3, _skip, algo, timeout=60, comm_timeout=3)
     assert time.monotonic() - t0 < 25

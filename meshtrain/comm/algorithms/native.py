@@ -6,6 +6,10 @@ so list-valued results are permuted between the two orders here.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +27,67 @@ _TORCH_OPS = {
 }
 # meshtrain's own algorithms move these; torch's gloo and NCCL collectives refuse them.
 _NO_NATIVE = (torch.int16,)
+
+
+class Aborted(Exception):
+    """The call's metadata check, running beside it, failed: stop waiting for torch's op."""
+
+
+class Guard:
+    """Lets the runner's metadata check run beside a native op (``runner.run``): the op is issued
+    asynchronously and waited for until it completes or the check fails (``fail``), whichever
+    comes first, so a mismatched call that torch would hang on is named at once."""
+
+    def __init__(self) -> None:
+        self.failed = False
+        self.checked = threading.Event()  # set by the runner once the check has a verdict
+        self._lock = threading.Lock()
+        self._events: list[threading.Event] = []
+
+    def fail(self) -> None:
+        """The check failed (or timed out): wake every wait."""
+        with self._lock:
+            self.failed = True
+            for e in self._events:
+                e.set()
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work``; raise ``Aborted`` if the check fails first."""
+        done = threading.Event()
+        with self._lock:
+            if self.failed:
+                raise Aborted()
+            self._events.append(done)
+        try:
+            work.get_future().then(lambda _: done.set())
+        except RuntimeError:  # some gloo works (reduce_scatter) have no future and complete only
+            self.checked.wait()  # inside wait(): let the check finish first, as if run before
+            done.set()
+        done.wait()
+        if self.failed and not work.is_completed():
+            raise Aborted()
+        work.wait()  # completed: raises its error, if any
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def guarded(guard: Guard) -> Iterator[None]:
+    """Native ops called in this block on this thread wait through ``guard``."""
+    _local.guard = guard
+    try:
+        yield
+    finally:
+        _local.guard = None
+
+
+def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+    guard = getattr(_local, "guard", None)
+    if guard is None:
+        fn(*args, **kw)
+    else:
+        guard.wait(fn(*args, async_op=True, **kw))
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:
@@ -44,27 +109,27 @@ def order(ranks: list[int]) -> list[int]:
 
 def all_reduce(pg, buf: torch.Tensor, op: ReduceOp) -> None:
     """torch.distributed.all_reduce."""
-    dist.all_reduce(_check(buf), torch_op(op), group=pg)
+    _run(dist.all_reduce, _check(buf), torch_op(op), group=pg)
 
 
 def reduce(pg, buf: torch.Tensor, op: ReduceOp, root_global: int) -> None:
     """torch.distributed.reduce."""
-    dist.reduce(_check(buf), root_global, torch_op(op), group=pg)
+    _run(dist.reduce, _check(buf), root_global, torch_op(op), group=pg)
 
 
 def broadcast(pg, buf: torch.Tensor, root_global: int) -> None:
     """torch.distributed.broadcast."""
-    dist.broadcast(_check(buf), root_global, group=pg)
+    _run(dist.broadcast, _check(buf), root_global, group=pg)
 
 
 def all_gather(pg, ranks: list[int], outs: list[torch.Tensor], inp: torch.Tensor) -> None:
     """torch.distributed.all_gather into ``outs`` (meshtrain group order)."""
-    dist.all_gather([outs[i] for i in order(ranks)], _check(inp), group=pg)
+    _run(dist.all_gather, [outs[i] for i in order(ranks)], _check(inp), group=pg)
 
 
 def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> None:
     """torch.distributed.reduce_scatter with ``ins`` in meshtrain group order."""
-    dist.reduce_scatter(_check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
+    _run(dist.reduce_scatter, _check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
 
 
 def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
@@ -74,7 +139,7 @@ def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.T
     outs_t = [outs[i] for i in perm]
     flat_in = torch.cat(ins_t) if ins_t else torch.empty(0)
     flat_out = torch.empty(sum(o.numel() for o in outs_t), dtype=flat_in.dtype, device=flat_in.device)
-    dist.all_to_all_single(flat_out, _check(flat_in), [o.numel() for o in outs_t], [t.numel() for t in ins_t], group=pg)
+    _run(dist.all_to_all_single, flat_out, _check(flat_in), [o.numel() for o in outs_t], [t.numel() for t in ins_t], group=pg)
     off = 0
     for o in outs_t:
         o.view(-1).copy_(flat_out[off : off + o.numel()])
@@ -84,13 +149,13 @@ def all_to_all(pg, ranks: list[int], outs: list[torch.Tensor], ins: list[torch.T
 def gather(pg, ranks: list[int], inp: torch.Tensor, outs: list[torch.Tensor] | None, root_global: int) -> None:
     """torch.distributed.gather (``outs`` in meshtrain group order, on the root only)."""
     lst = [outs[i] for i in order(ranks)] if outs is not None else None
-    dist.gather(_check(inp), lst, dst=root_global, group=pg)
+    _run(dist.gather, _check(inp), lst, dst=root_global, group=pg)
 
 
 def scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor] | None, root_global: int) -> None:
     """torch.distributed.scatter (``ins`` in meshtrain group order, on the root only)."""
     lst = [ins[i] for i in order(ranks)] if ins is not None else None
-    dist.scatter(_check(out), lst, src=root_global, group=pg)
+    _run(dist.scatter, _check(out), lst, src=root_global, group=pg)
 
 
 def barrier(pg) -> None:
