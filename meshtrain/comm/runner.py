@@ -11,7 +11,8 @@ metadata travels with the first step of the shm collectives (or with one step of
 ahead of any other algorithm) and is compared there; the full metadata is exchanged only when the
 fingerprints differ, to name the ranks. The hierarchical collectives across hosts of the shm
 transport carry it the same way (``hierarchical.Check``: inside each host, then 16 bytes between
-the host leaders before any data crosses).
+the host leaders before any data crosses). A ``native`` call (torch.distributed's own op) runs the
+store exchange beside the op instead of before it (``_native_checked_beside``).
 """
 
 from __future__ import annotations
