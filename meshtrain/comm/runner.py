@@ -159,22 +159,28 @@ def _native_checked_beside(g: Group, name: str, seq: int, payload: str, body: Ca
     op that some ranks never joined: the process group is not usable after it (as in torch)."""
     comm = g.comm
     guard = native.Guard()
-    check = comm.check_thread().submit(comm.transport.exchange, f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+    t = comm.transport
 
-    def verdict(f: Any) -> None:
+    error: list[BaseException] = []
+
+    def exchange() -> None:
         try:
-            _compare(name, seq, g, f.result())
-        except BaseException:  # noqa: BLE001 - a mismatch or timeout: stop waiting for the op
+            _compare(name, seq, g, t.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout, defer_delete=True))
+        except BaseException as exc:  # noqa: BLE001 - a mismatch or timeout: stop waiting for the op
+            error.append(exc)
             guard.fail()
         guard.checked.set()
+        t.delete_stale()  # after the verdict, while the caller goes on
 
-    check.add_done_callback(verdict)
+    comm.check_thread().submit(exchange)
     try:
         with native.guarded(guard):
             result = body(ctx)
     except native.Aborted:
         result = None
-    _compare(name, seq, g, check.result())  # raises the mismatch (or the PeerTimeout) it found
+    guard.checked.wait()
+    if error:
+        raise error[0]  # the mismatch (or the PeerTimeout) the check found
     if guard.failed:
         raise CollectiveMismatch(f"bug: {name} #{seq}: the check beside it failed without a mismatch")
     return result

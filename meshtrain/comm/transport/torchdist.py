@@ -73,6 +73,7 @@ class TorchTransport(Transport):
         self.store = dist.PrefixStore("meshtrain", store)
         self.backend = str(dist.get_backend(group))
         self._last_key: dict[str, str] = {}
+        self._stale: list[str] = []  # keys whose deletion was deferred (``exchange(defer_delete=)``)
         self._store_timeout: float | None = None
         # Entered around every blocking wait (gloo, the store): the shm transport that routes
         # other-host peers here sets it, to keep its own messages moving meanwhile.
@@ -95,7 +96,11 @@ class TorchTransport(Transport):
             raise _peer_failure(exc, src, "recv from", self.liveness) from None
         return _TorchP2PWork(self, work, src, "recv from", tensor)
 
-    def exchange(self, key: str, ranks: Sequence[int], payload: str, timeout: float) -> list[str]:
+    def exchange(self, key: str, ranks: Sequence[int], payload: str, timeout: float,
+                 defer_delete: bool = False) -> list[str]:
+        """All-gather ``payload`` through the store. ``defer_delete`` leaves the previous key's
+        deletion (a round trip) to ``delete_stale``: the check beside a native op
+        (runner._native_checked_beside) deletes after its verdict, off the op's critical path."""
         keys = [f"x/{key}/{r}" for r in ranks]
         own = f"x/{key}/{self.rank}"
         try:
@@ -115,9 +120,12 @@ class TorchTransport(Transport):
             # Once everyone posted this key, everyone has finished reading the previous one.
             group_prefix = key.rsplit("/", 1)[0]
             prev = self._last_key.get(group_prefix)
-            if prev is not None:
-                self.store.delete_key(prev)
             self._last_key[group_prefix] = own
+            if prev is not None:
+                if defer_delete:
+                    self._stale.append(prev)
+                else:
+                    self.store.delete_key(prev)
             return values
         except PeerTimeout:
             raise
@@ -127,6 +135,11 @@ class TorchTransport(Transport):
                 f"lost the rendezvous store while exchanging {key!r}: {exc} "
                 + (f"-- {why}" if why else "(the store lives in the process of rank 0 or in the torchrun agent: is it alive?)")
             ) from None
+
+    def delete_stale(self) -> None:
+        """Delete the exchange keys left by deferred exchanges."""
+        while self._stale:
+            self.store.delete_key(self._stale.pop())
 
     def host_id(self) -> str:
         return host_identity()
