@@ -313,4 +313,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     _member(group)
+    return _ring_attention(q, k, v, group)
+
+
+@torch.compiler.disable  # a graph break under train.compile: dynamo does not trace the ring's messages
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
     return RingAttention.apply(q, k, v, group)

@@ -21,7 +21,7 @@ from ..mesh import Mesh
 from ..models.llama import Llama, LlamaConfig
 from .context import cp_positions, cp_shard
 from .data import DataParallel
-from .parallelize import ParallelConfig, parallelize
+from .parallelize import ParallelConfig, autocast_dtype, parallelize
 from .pipeline.engine import PipelineEngine, StepStats
 from .pipeline.partition import split_stages
 from .pipeline.schedule import build_schedule, check_schedule
@@ -53,7 +53,7 @@ class ParallelModel:
         parts = split_stages(full, self.n_stages, ids)
         self.stages: dict[int, nn.Module] = {s: parallelize(m, mesh, pc, seed, device) for s, m in parts.items()}
         self.engine = PipelineEngine(self.stages, self.n_stages, lambda s: mesh.stage_rank(s % mesh.pp),
-                                     mesh.pp_group, self._loss)
+                                     mesh.pp_group, self._loss, autocast_dtype(pc.precision))
         self._tokens_per_rank = 1
         self.last_stats: StepStats | None = None
 
@@ -150,25 +150,28 @@ class ParallelOptimizer:
                         out.append((g[a - u.lo : b - u.lo], 1.0 if hasattr(p, "shard") else 1.0 / tp))
         return out
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of the whole model's gradient (over tp slices, pipeline stages and
-        ZeRO shards, each counted once); scales the gradients down to ``max_norm`` if larger
-        (``max_norm <= 0``: measure only). Collective over the mesh."""
+        ZeRO shards, each counted once), as a 0-d float64 tensor on the gradients' device; scales
+        the gradients down to ``max_norm`` if larger (``max_norm <= 0``: measure only). Like
+        ``torch.nn.utils.clip_grad_norm_`` it never reads the norm on the host (no device sync):
+        the scale is min(1, max_norm / norm) computed on the device. Collective over the mesh."""
         mesh = self.model.mesh
-        sq = torch.zeros((), dtype=torch.float64)
         pieces = self._grad_pieces()
+        device = pieces[0][0].device if pieces else self.model.engine.device
+        sq = torch.zeros((), dtype=torch.float64, device=device)
         for g, w in pieces:  # accumulated in float64 without a float64 copy of the gradient
             sq += torch.linalg.vector_norm(g, dtype=torch.float64).square() * w
         groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_cp] if self.model.config.zero_stage else [])
         for group in groups:
             if group.size > 1:
                 comm.all_reduce(sq, group=group)
-        norm = float(sq.sqrt())
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
+        norm = sq.sqrt()
+        if max_norm > 0 and pieces:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             with torch.no_grad():
-                for g, _ in pieces:
-                    g.mul_(coef)
+                for dtype in {g.dtype for g, _ in pieces}:
+                    torch._foreach_mul_([g for g, _ in pieces if g.dtype == dtype], coef.to(dtype))
         return norm
 
     def step(self) -> None:

@@ -26,6 +26,13 @@ from .tensor_comm import CopyToTP
 from .zero import ZeroModel
 
 AC_MODES = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16")
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype forwards autocast to under ``ParallelConfig.precision`` (None: plain fp32)."""
+    return _AUTOCAST[precision]
 
 
 @dataclass
@@ -48,6 +55,12 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule)."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size."""
+    precision: str = "fp32"
+    """"fp32", or "bf16": forwards under ``torch.autocast(bfloat16)``; parameters, gradients, their
+    reductions and the optimizer stay fp32 (fp32 masters)."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
+    checkpointing are applied, before data parallel / ZeRO wrap the model)."""
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in AC_MODES:
@@ -55,6 +68,10 @@ class ParallelConfig:
                               f"{', '.join(AC_MODES)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage = {self.zero_stage!r}: use 0 (plain data parallel), 1, 2 or 3")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision = {self.precision!r} is not one of {', '.join(PRECISIONS)} ("
+                              f"fp16 would need loss scaling, which only ZeroModel + DynamicLossScaler offer; "
+                              f"use bf16)")
         for name in ("checkpoint_every", "microbatches", "virtual_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a positive integer")
@@ -141,6 +158,13 @@ def apply_activation_checkpointing(model: Llama, mode: str, every: int = 2) -> N
             block.forward = functools.partial(_checkpointed, block.forward)
 
 
+def apply_compile(model: Llama) -> None:
+    """``torch.compile`` each block's forward (as torchtitan does: per block, so one graph is
+    reused by every layer; tp/cp collectives inside a block run eagerly between graphs)."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward)
+
+
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:
     """Allocate a meta-device model on ``device`` and initialise it by name (``init_weights``);
     a model already materialised is left as it is. Shard metadata survives ``to_empty``."""
@@ -170,6 +194,8 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
     if mesh.cp > 1:
         apply_context_parallel(model, mesh.cp_group)
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every)
+    if config.compile:
+        apply_compile(model)
     materialize(model, device, seed)
     if config.zero_stage:
         return ZeroModel(model, config.zero_stage, mesh.dp_cp, units=list(model.layers.values()))

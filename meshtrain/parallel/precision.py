@@ -51,14 +51,14 @@ class DynamicLossScaler:
     def unscale_and_check(self, params: Iterable[torch.Tensor], group: Group | None = None) -> bool:
         """Divide the gradients by the scale; return False (and back off) if any rank overflowed."""
         grads = [p.grad for p in params if p.grad is not None]
-        bad = torch.zeros(1)
-        for g in grads:
+        device = grads[0].device if grads else torch.device("cpu")
+        bad = torch.zeros(1, device=device)
+        for g in grads:  # flags accumulate on the device: one host read below, not one per gradient
             g.div_(self.scale)
-            if not torch.isfinite(g).all():
-                bad.fill_(1.0)
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
         if group is not None and group.size > 1:
             comm.all_reduce(bad, op="max", group=group)
-        if bad.item() > 0:
+        if bad.item() > 0:  # the one host read (every rank must agree on skipping the step)
             self.scale = max(self.scale * self.backoff, self.min_scale)
             self._good = 0
             self.skipped += 1

@@ -110,7 +110,9 @@ class TrainSection:
     seed: int = 0
     """Seed of the initial weights and of the data order; the same seed repeats a run."""
     precision: str = "fp32"
-    """Compute dtype: "fp32", "bf16" or "fp16" (fp32 master weights in every case)."""
+    """Compute dtype: "fp32" or "bf16" (autocast; fp32 master weights, gradients and reductions)."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (needs a C++ compiler on the CPU)."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
     log_every: int = 1
@@ -199,7 +201,7 @@ class Config:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
                              if f.default_factory is not dataclasses.MISSING}
 TOP_LEVEL = ("out",)
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSPORTS = ("auto", "local", "shm", "torch")
 BACKENDS = ("auto", "gloo", "nccl")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ def resolve_device(name: str) -> torch.device:
     """``auto``: this rank's CUDA device if CUDA is available, else the CPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device = 'cuda' but this process sees no CUDA device (torch {torch.__version__}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use "
+                          f"train.device = 'cpu', or 'auto' to take a GPU only where there is one")
     if name == "cuda":
         return torch.device("cuda", comm.get_rank() % max(torch.cuda.device_count(), 1))
     return torch.device(name)
@@ -116,12 +121,15 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             batch = loader.next_batch()
             comm.reset_stats()
             t0 = time.perf_counter()
-            loss = float(model.forward_backward(batch.inputs.to(device), batch.targets.to(device)))
-            if not math.isfinite(loss):
+            loss_t = model.forward_backward(batch.inputs.to(device, non_blocking=True),
+                                            batch.targets.to(device, non_blocking=True))
+            norm_t = opt.clip_grad_norm_(t.grad_clip)
+            # the step's one host read (a device sync on a GPU): both scalars at once
+            loss, norm = torch.stack([loss_t.double(), norm_t.double()]).tolist()
+            if not math.isfinite(loss):  # stop before the step writes non-finite weights
                 raise TrainingDiverged(f"the loss became {loss} at step {step}; {_diverged_fix(t, ckpt_root)}")
-            norm = opt.clip_grad_norm_(t.grad_clip)
-            if not math.isfinite(float(norm)):  # stop before the step writes non-finite weights
-                raise TrainingDiverged(f"the gradient norm became {float(norm)} at step {step}; "
+            if not math.isfinite(norm):
+                raise TrainingDiverged(f"the gradient norm became {norm} at step {step}; "
                                        f"{_diverged_fix(t, ckpt_root)}")
             opt.step()
             opt.zero_grad()

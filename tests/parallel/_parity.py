@@ -18,15 +18,19 @@ def batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def reference(steps: int, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(steps: int, clip: float = 0.0, autocast: torch.dtype | None = None
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, plain torch: per-step losses and the first step's gradients by name. With
-    ``clip`` > 0 gradients are clipped to that global norm and the losses come with the norms."""
+    ``clip`` > 0 gradients are clipped to that global norm and the losses come with the norms;
+    with ``autocast`` the forward runs under ``torch.autocast("cpu", autocast)``."""
     model = Llama(CFG)
     init_weights(model, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for i, d in enumerate(batches(steps)):
-        loss = F.cross_entropy(model(d[:, :-1]).flatten(0, 1), d[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            logits = model(d[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), d[:, 1:].flatten())
         loss.backward()
         if i == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -53,7 +57,7 @@ def train_rank(rank: int, layout: dict, config: dict, steps: int, clip: float = 
         if i == 0 and not config.get("zero_stage"):
             grads = {n: (p.grad.clone(), getattr(p, "shard", (0, 0, 1))) for n, p in model.named_parameters()}
         if clip:
-            losses[-1] = (losses[-1], opt.clip_grad_norm_(clip))
+            losses[-1] = (losses[-1], opt.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
     return losses, grads

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshtrain import comm
 from meshtrain.cli import main
@@ -284,7 +285,7 @@ def test_gradient_norm_inf_stops_before_the_weights_change(tmp_path):
         def clip(self, max_norm):
             norm = real(self, max_norm)
             seen["n"] = seen.get("n", 0) + 1
-            return float("inf") if seen["n"] == 2 else norm
+            return torch.full_like(norm, float("inf")) if seen["n"] == 2 else norm
 
         pm.ParallelOptimizer.clip_grad_norm_ = clip
         try:

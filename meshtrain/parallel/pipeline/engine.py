@@ -68,10 +68,21 @@ class PipelineEngine:
     """
 
     def __init__(self, stages: dict[int, nn.Module], n_stages: int, rank_of_stage: Callable[[int], int],
-                 pp_group: Group, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 pp_group: Group, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 autocast_dtype: torch.dtype | None = None) -> None:
         self.stages, self.n_stages = stages, n_stages
         self.rank_of_stage, self.group, self.loss_fn = rank_of_stage, pp_group, loss_fn
         self._params = {id(p) for m in stages.values() for p in m.parameters()}
+        # messages, buffers and the loss live where the parameters do (a CUDA stage talks in CUDA tensors)
+        self.device = next((p.device for m in stages.values() for p in m.parameters()), torch.device("cpu"))
+        self.autocast_dtype = autocast_dtype
+        """Forwards run under ``torch.autocast`` to this dtype (bf16 mixed precision; parameters,
+        gradients and the optimizer stay fp32); None: no autocast."""
+
+    def _autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -80,9 +91,9 @@ class PipelineEngine:
 
     def _send(self, t: torch.Tensor, dst_stage: int, kind: int, mb: int, stage: int, works: list[Work]) -> None:
         t = t.detach().contiguous()
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-        header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        # built on the host, sent from the data's device (NCCL carries device tensors only)
+        header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
+                              dtype=torch.int64).to(t.device)
         dst, tag = self.rank_of_stage(dst_stage), self._tag(kind, mb, stage)
         works.append(comm.isend(header, dst, group=self.group, tag=tag))
         works.append(comm.isend(t, dst, group=self.group, tag=tag))
@@ -90,10 +101,10 @@ class PipelineEngine:
     def _recv(self, src_stage: int, kind: int, mb: int, stage: int) -> torch.Tensor:
         src, tag = self.rank_of_stage(src_stage), self._tag(kind, mb, stage)
         try:
-            header = torch.empty(_HEADER, dtype=torch.int64)
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             comm.recv(header, src, group=self.group, tag=tag)
-            dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-            out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype)
+            code, ndim, *dims = header.tolist()  # on a GPU: the one host read per message
+            out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
             comm.recv(out, src, group=self.group, tag=tag)
         except CollectiveError as exc:
             # name the pipeline's view of it: which stage waited for what, from whom
@@ -115,7 +126,7 @@ class PipelineEngine:
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
         remaining_b = {s: sum(1 for a in actions if a.kind == "B" and a.stage == s) for s in self.stages}
         works: list[Work] = []
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         stats, held = StepStats(), 0
         for a in actions:
             module = self.stages[a.stage]
@@ -127,7 +138,7 @@ class PipelineEngine:
                     x = inp
                 start = time.perf_counter()
                 meter = _Meter(self._params)
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t), self._autocast():
                     out = module(x, **kw)
                     if a.stage == last:
                         out = self.loss_fn(out, targets[a.microbatch])
