@@ -185,11 +185,12 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab); ``positions`` are the tokens' global positions (default
         0..s-1; context parallelism passes the positions of this rank's share)."""
-        if positions is None:
+        if positions is None:  # checked on the host; given positions are the caller's to check (reading
+            # their maximum would be a device sync per forward)
+            if tokens.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(f"position {tokens.shape[1] - 1} exceeds max_seq_len={self.cfg.max_seq_len}; "
+                                 f"use shorter sequences or raise model.max_seq_len")
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        if positions.numel() and int(positions.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} exceeds max_seq_len={self.cfg.max_seq_len}; "
-                             f"use shorter sequences or raise model.max_seq_len")
         cos, sin = rotary_table(self.cfg.head_dim, positions, self.cfg.rope_theta)
         x = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         for layer in self.layers.values():

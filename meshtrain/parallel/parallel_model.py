@@ -66,6 +66,9 @@ class ParallelModel:
             raise ConfigError(f"global batch {b} is not divisible by dp x microbatches = {mesh.dp} x "
                               f"{self.config.microbatches}; use a batch size that is a multiple of "
                               f"{mesh.dp * self.config.microbatches}")
+        if s > self.cfg.max_seq_len:  # on the host: the model's own check skips device positions
+            raise ValueError(f"position {s - 1} exceeds max_seq_len={self.cfg.max_seq_len}; use shorter "
+                             f"sequences or raise model.max_seq_len")
         rows = b // mesh.dp
         tokens = tokens[mesh.coords.dp * rows : (mesh.coords.dp + 1) * rows]
         targets = targets[mesh.coords.dp * rows : (mesh.coords.dp + 1) * rows]
@@ -90,7 +93,7 @@ class ParallelModel:
         self._tokens_per_rank = tgt.numel()
         m = self.config.microbatches
         loss, self.last_stats = self.engine.run(self.actions, list(tok.chunk(m)), list(tgt.chunk(m)),
-                                                {"positions": pos})
+                                                {"positions": pos}, signature=(tuple(tokens.shape), m))
         if self.mesh.pp > 1:  # only the last stage has it
             comm.all_reduce(loss, group=self.mesh.pp_group)
         if self.mesh.dp_cp.size > 1:

@@ -89,7 +89,10 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     cfg = model_config(config, tokenizer.vocab_size)
     mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)
     model = ParallelModel(cfg, mesh, parallel_config(config), seed=t.seed, device=device)
-    opt = model.build_optimizer(torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    # fused AdamW on a GPU: one kernel, and its step counts stay on the device (no host reads)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = model.build_optimizer(torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                **fused)
     loader = GlobalBatchLoader(tokens, t.seq_len, t.global_batch, seed=t.seed)
     with torch.device("meta"):  # the whole model's size, whatever this rank holds
         full = Llama(cfg)

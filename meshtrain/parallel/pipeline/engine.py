@@ -3,8 +3,9 @@
 For F(mb, s) the stage's input is the micro-batch's tokens (first stage) or the activation received
 from the rank of stage s-1; its output is sent on, or, on the last stage, turned into the loss. For
 B(mb, s) the output's gradient comes from stage s+1 (or the loss itself), and the input's gradient
-goes back to stage s-1. Every message is a small header (dtype, shape) and then the tensor, so
-stages need not agree on shapes in advance. A micro-batch's activations are dropped as soon as its
+goes back to stage s-1. A message is a small header (dtype, shape) and then the tensor, so
+stages need not agree on shapes in advance; given a step signature, later steps with the same one
+skip the header (no host read of it: on a GPU, no sync). A micro-batch's activations are dropped as soon as its
 backward has run; saved-tensor hooks count the bytes each in-flight micro-batch holds.
 """
 
@@ -26,6 +27,7 @@ from .schedule import Action
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 8  # dtype code, ndim, then up to 6 dims
 _ACT, _GRAD = 0, 1
+_KINDS = ("activation", "gradient")
 
 
 @dataclass
@@ -76,6 +78,10 @@ class PipelineEngine:
         # messages, buffers and the loss live where the parameters do (a CUDA stage talks in CUDA tensors)
         self.device = next((p.device for m in stages.values() for p in m.parameters()), torch.device("cpu"))
         self.autocast_dtype = autocast_dtype
+        # (signature, kind, micro-batch, sending stage) -> (dtype, shape) of messages already described
+        self._signature: Any = None
+        self._sent: dict[tuple, tuple[torch.dtype, torch.Size]] = {}
+        self._received: dict[tuple, tuple[torch.dtype, torch.Size]] = {}
         """Forwards run under ``torch.autocast`` to this dtype (bf16 mixed precision; parameters,
         gradients and the optimizer stay fp32); None: no autocast."""
 
@@ -91,37 +97,58 @@ class PipelineEngine:
 
     def _send(self, t: torch.Tensor, dst_stage: int, kind: int, mb: int, stage: int, works: list[Work]) -> None:
         t = t.detach().contiguous()
-        # built on the host, sent from the data's device (NCCL carries device tensors only)
-        header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
-                              dtype=torch.int64).to(t.device)
         dst, tag = self.rank_of_stage(dst_stage), self._tag(kind, mb, stage)
-        works.append(comm.isend(header, dst, group=self.group, tag=tag))
+        key = (self._signature, kind, mb, stage)
+        known = self._sent.get(key) if self._signature is not None else None
+        if known is None:
+            # built on the host, sent from the data's device (NCCL carries device tensors only)
+            header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
+                                  dtype=torch.int64).to(t.device)
+            works.append(comm.isend(header, dst, group=self.group, tag=tag))
+            if self._signature is not None:
+                self._sent[key] = (t.dtype, t.shape)
+        elif known != (t.dtype, t.shape):
+            raise RuntimeError(f"pipeline stage {stage} sends a {t.dtype} {tuple(t.shape)} {_KINDS[kind]} for "
+                               f"micro-batch {mb} where an earlier step with the same signature "
+                               f"{self._signature!r} sent {known[0]} {tuple(known[1])}: the signature passed to "
+                               f"run() must determine every message's shape")
         works.append(comm.isend(t, dst, group=self.group, tag=tag))
 
     def _recv(self, src_stage: int, kind: int, mb: int, stage: int) -> torch.Tensor:
         src, tag = self.rank_of_stage(src_stage), self._tag(kind, mb, stage)
+        key = (self._signature, kind, mb, stage)
         try:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            comm.recv(header, src, group=self.group, tag=tag)
-            code, ndim, *dims = header.tolist()  # on a GPU: the one host read per message
-            out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
+            known = self._received.get(key) if self._signature is not None else None
+            if known is None:
+                header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                comm.recv(header, src, group=self.group, tag=tag)
+                code, ndim, *dims = header.tolist()  # a host read (a GPU sync): first step of a signature only
+                known = (_DTYPES[code], torch.Size(dims[:ndim]))
+                if self._signature is not None:
+                    self._received[key] = known
+            out = torch.empty(known[1], dtype=known[0], device=self.device)
             comm.recv(out, src, group=self.group, tag=tag)
         except CollectiveError as exc:
             # name the pipeline's view of it: which stage waited for what, from whom
-            what = "activation" if kind == _ACT else "gradient"
             me = self.rank_of_stage(stage + 1 if kind == _ACT else stage - 1)
             raise type(exc)(f"pipeline stage {stage + 1 if kind == _ACT else stage - 1} (rank {me}) waited for "
-                            f"the {what} of micro-batch {mb} from stage {src_stage} (rank {src}), which did not "
-                            f"send it: {exc}") from exc
+                            f"the {_KINDS[kind]} of micro-batch {mb} from stage {src_stage} (rank {src}), which "
+                            f"did not send it: {exc}") from exc
         return out
 
     # -- the step --------------------------------------------------------------------------------
 
     def run(self, actions: list[Action], inputs: list[Any], targets: list[torch.Tensor],
-            forward_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, StepStats]:
+            forward_kwargs: dict[str, Any] | None = None, signature: Any = None) -> tuple[torch.Tensor, StepStats]:
         """Execute ``actions``; ``inputs[mb]``/``targets[mb]`` are used by the first/last stage.
-        Returns the sum of the micro-batch losses computed here (zero off the last stage)."""
+        Returns the sum of the micro-batch losses computed here (zero off the last stage).
+
+        ``signature``: a value equal on every rank that fixes every message's dtype and shape (the
+        trainer passes the batch shape). Messages then carry their (dtype, shape) header only in
+        the first step with that signature; later steps allocate from it without a host read.
+        None: every message carries its header."""
         kw = forward_kwargs or {}
+        self._signature = signature
         last = self.n_stages - 1
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
         remaining_b = {s: sum(1 for a in actions if a.kind == "B" and a.stage == s) for s in self.stages}

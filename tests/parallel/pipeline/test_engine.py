@@ -46,3 +46,33 @@ def test_backward_waits_name_the_gradient():
 
     msg = comm.run_local(2, fn, timeout=2)[0]
     assert "pipeline stage 0 (rank 0) waited for the gradient of micro-batch 0 from stage 1 (rank 1)" in msg
+
+
+def test_a_signature_skips_headers_and_refuses_a_shape_it_did_not_announce(monkeypatch):
+    """With a signature, the second step's messages carry no header (fewer sends) and the
+    receiver allocates from the first; a sender whose shape changed under the same signature
+    fails with both shapes named (its receiver would otherwise read a wrong-sized tensor)."""
+    sends: dict[int, list] = {0: [], 1: []}
+    real = comm.isend
+
+    def isend(t, *args, **kwargs):  # one patch for both rank threads, counted per rank
+        sends[comm.get_rank()].append(t.shape)
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(comm, "isend", isend)
+
+    def fn(rank):
+        engine = _engine(rank, 2)
+        actions, out = build_schedule("afab", 2, 2)[rank], []
+        for x in (torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)):
+            before = len(sends[rank])
+            loss, _ = engine.run(actions, [x, x], [None, None], signature="2x4")
+            out.append((len(sends[rank]) - before, float(loss)))
+        if rank == 0:
+            with pytest.raises(RuntimeError, match=r"sends a torch.float32 \(1, 3, 4\).*sent torch.float32 \(1, 2, 4\)"):
+                engine.run(actions, [torch.ones(1, 3, 4)] * 2, [None, None], signature="2x4")
+        return out
+
+    first, second = comm.run_local(2, fn, timeout=10)
+    assert first[0][0] == 2 * first[1][0] and second[0][0] == 2 * second[1][0] > 0  # header + tensor, then tensor
+    assert second[1][1] != second[0][1] and first[1][1] == 0.0  # the second step's data really arrived
