@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import checkpoint as bench_checkpoint
 
     bench_checkpoint.add_arguments(ckpt)
+    loop = bsub.add_parser("loop", help="meshtrain train on one rank vs a plain PyTorch loop: tokens/s, MFU")
+    from .bench import loop as bench_loop
+
+    bench_loop.add_arguments(loop)
     launch = sub.add_parser("launch", help="write a Slurm sbatch script or a Kubeflow PyTorchJob for a config")
     from .train import launch_emit
 
@@ -83,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import checkpoint as bench_checkpoint
 
         return bench_checkpoint.main(args)
+    if args.command == "bench" and args.bench == "loop":
+        from .bench import loop as bench_loop
+
+        return bench_loop.main(args)
     if args.command == "bench" and args.bench == "pipeline":
         from .bench import pipeline_cli
 

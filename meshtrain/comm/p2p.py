@@ -40,8 +40,11 @@ class _TimedWork(Work):
         return True
 
 
-def _prep(tensor: torch.Tensor, peer: int, group: Group | None, tag: int, what: str) -> tuple[Group, int]:
+def _prep(tensor: torch.Tensor, peer: int | None, group: Group | None, tag: int, what: str,
+          group_peer: int | None = None) -> tuple[Group, int, int]:
+    """(group, transport tag, global peer rank) of a send/recv, or the error that names the fix."""
     g = _group(group)
+    peer = _peer(g, peer, group_peer, "dst" if what == "send" else "src")
     check_dtype(_check_tensor(tensor).dtype)
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
@@ -50,27 +53,53 @@ def _prep(tensor: torch.Tensor, peer: int, group: Group | None, tag: int, what: 
         raise ValueError(f"{what}: rank {peer} cannot {what} to itself")
     if g.rank < 0:
         raise ValueError(f"rank {g.comm.rank} is not in group {g.gid} (ranks {g.ranks})")
-    return g, p2p_tag(g.gid, tag)
+    return g, p2p_tag(g.gid, tag), peer
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int = 0) -> Work:
-    """Start sending ``tensor`` to global rank ``dst``; keep it unchanged until the Work is done."""
-    g, t = _prep(tensor, dst, group, tag, "send")
+def _peer(g: Group, peer: int | None, group_peer: int | None, name: str) -> int:
+    """The global rank of ``peer`` (global) or ``group_peer`` (a rank of ``g``), as torch's
+    ``group_dst`` / ``group_src``: exactly one of them."""
+    if peer is not None and group_peer is not None:
+        raise ValueError(f"Can't specify both {name} and group_{name}: {name} is a global rank, group_{name} "
+                         f"a rank of the group; pass one")
+    if group_peer is not None:
+        if not 0 <= group_peer < g.size:
+            raise ValueError(f"group_{name} = {group_peer} is not a rank of group {g.gid} (size {g.size}); use "
+                             f"0..{g.size - 1}")
+        return g.ranks[group_peer]
+    if peer is None:
+        hint = " (meshtrain has no receive from any source: name the sender)" if name == "src" else ""
+        raise ValueError(f"Must specify {name} or group_{name}{hint}")
+    return peer
+
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    """Start sending ``tensor`` to global rank ``dst`` (or ``group``'s rank ``group_dst``); keep it
+    unchanged until the Work is done."""
+    g, t, dst = _prep(tensor, dst, group, tag, "send", group_dst)
     return _TimedWork(g.comm.transport.isend(tensor, dst, t), g.timeout, f"send to rank {dst} (tag {tag})")
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Group | None = None, tag: int = 0) -> Work:
-    """Start receiving into ``tensor`` from global rank ``src``."""
-    g, t = _prep(tensor, src, group, tag, "recv")
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work:
+    """Start receiving into ``tensor`` from global rank ``src`` (or ``group``'s rank ``group_src``)."""
+    g, t, src = _prep(tensor, src, group, tag, "recv", group_src)
     return _TimedWork(g.comm.transport.irecv(tensor, src, t), g.timeout, f"recv from rank {src} (tag {tag})")
 
 
-def send(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int = 0) -> None:
-    """Send ``tensor`` to global rank ``dst`` and wait until it is handed over."""
-    isend(tensor, dst, group, tag).wait()
+def send(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send ``tensor`` to global rank ``dst`` (or ``group_dst`` of ``group``) and wait until it is
+    handed over."""
+    isend(tensor, dst, group, tag, group_dst).wait()
 
 
-def recv(tensor: torch.Tensor, src: int, group: Group | None = None, tag: int = 0) -> int:
-    """Receive into ``tensor`` from global rank ``src``; returns ``src`` like torch.distributed."""
-    irecv(tensor, src, group, tag).wait()
+def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (or ``group_src`` of ``group``); returns the
+    sender's global rank like torch.distributed."""
+    g = _group(group)
+    src = _peer(g, src, group_src, "src")
+    irecv(tensor, src, g, tag).wait()
     return src

@@ -163,8 +163,11 @@ class ParallelOptimizer:
         pieces = self._grad_pieces()
         device = pieces[0][0].device if pieces else self.model.engine.device
         sq = torch.zeros((), dtype=torch.float64, device=device)
-        for g, w in pieces:  # accumulated in float64 without a float64 copy of the gradient
-            sq += torch.linalg.vector_norm(g, dtype=torch.float64).square() * w
+        by_weight: dict[tuple[float, torch.dtype], list[torch.Tensor]] = {}
+        for g, w in pieces:
+            by_weight.setdefault((w, g.dtype), []).append(g)
+        for (w, _), grads in by_weight.items():  # one foreach kernel per weight (as torch's clip), summed in float64
+            sq += torch.stack(torch._foreach_norm(grads)).double().square().sum() * w
         groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_cp] if self.model.config.zero_stage else [])
         for group in groups:
             if group.size > 1:

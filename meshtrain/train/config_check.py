@@ -49,6 +49,9 @@ def parallel_config(config: Config) -> "ParallelConfig":
     names = {f.name for f in dataclasses.fields(ParallelConfig)}
     kwargs = {k: v for k, v in dataclasses.asdict(config.parallel).items() if k in names}
     kwargs.update(precision=config.train.precision, compile=config.train.compile)  # [train] keys the model runs by
+    if config.train.precision == "fp16":
+        raise ConfigError("train.precision = 'fp16' is not supported: fp16 needs loss scaling, which the trainer "
+                          "does not run; use train.precision = 'bf16' (same speed on hardware with bf16, no scaling)")
     try:
         return ParallelConfig(**kwargs)
     except ConfigError as e:
@@ -138,8 +141,6 @@ def validate(config: Config) -> None:
           "(grad_clip = 0 turns clipping off)")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1} and train.beta2 = {t.beta2} must "
           f"be in [0, 1)")
-    _need(t.precision != "fp16", "train.precision = 'fp16' is not supported: fp16 needs loss scaling, which the "
-          "trainer does not run; use train.precision = 'bf16' (same speed on hardware with bf16, no scaling)")
     for key, value, choices in (("train.precision", t.precision, PRECISIONS), ("train.device", t.device, DEVICES),
                                 ("comm.transport", c.transport, TRANSPORTS), ("comm.backend", c.backend, BACKENDS)):
         _need(value in choices, f"{key} = {value!r} is not one of {', '.join(choices)}")

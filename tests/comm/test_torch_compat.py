@@ -201,6 +201,14 @@ def scenario(dist: Any, rank: int, threads: bool = False) -> dict[str, Any]:
         w.wait()
     out["ring"] = (len(works), recv)
 
+    # send / recv named by group rank (group_dst / group_src) on a subgroup: group rank 1 -> 0
+    pair = torch.full((2,), float(rank))
+    if dist.get_rank(mine) == 1:
+        dist.send(pair, group=mine, group_dst=0)
+        out["group_p2p"] = pair
+    else:
+        out["group_p2p"] = (dist.recv(pair, group=mine, group_src=1), pair)
+
     dist.barrier(device_ids=[0])
     dist.barrier(group=mine)
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
@@ -234,6 +242,9 @@ def scenario(dist: Any, rank: int, threads: bool = False) -> dict[str, Any]:
         "scatter_object output": lambda: dist.scatter_object_list([], ["a"] * WORLD),
         "gather_object list on non-dst": lambda: dist.gather_object(1, [None] * WORLD if rank != 0 else None, dst=0),
         "all_gather_object short list": lambda: dist.all_gather_object([None], rank),
+        "send dst and group_dst": lambda: dist.send(torch.zeros(1), dst=1, group=mine, group_dst=1),
+        "recv src and group_src": lambda: dist.recv(torch.zeros(1), src=1, group=mine, group_src=1),
+        "isend neither dst": lambda: dist.isend(torch.zeros(1), group=mine),
     }
     out["errors"] = {name: _raises(fn) for name, fn in bad.items()}
     return out
@@ -282,6 +293,8 @@ def test_threads_match_torch_distributed(torch_results: list[dict[str, Any]]) ->
 
 def test_results_match_plain_torch(torch_results: list[dict[str, Any]]) -> None:
     """The torch.distributed run itself against values computed here without communication."""
+    for r in (0, 1):  # group rank 0 of [0, 2] / [1, 3] received from group rank 1, global rank r + 2
+        torch.testing.assert_close(torch_results[r]["group_p2p"][1], torch.full((2,), float(r + 2)))
     ref = train_reference()
     for r, res in enumerate(torch_results):
         torch.testing.assert_close(res["train"]["w"], ref[r]["w"])
@@ -360,3 +373,22 @@ def test_default_timeout_and_foreign_group() -> None:
             mc.all_reduce(torch.ones(1), group=object())
     finally:
         mc.destroy_process_group()
+
+
+def test_group_peer_outside_the_group_is_named() -> None:
+    """torch.distributed (gloo) hands group_dst = 2 of a 2-rank group to gloo, which waits for a
+    peer that does not exist; meshtrain raises at once, naming the valid range."""
+    def fn(rank: int) -> list[str]:
+        pair = mc.new_group([2, 0])
+        msgs = []
+        if rank in (0, 2):
+            for call in (lambda: mc.send(torch.zeros(1), group=pair, group_dst=2),
+                         lambda: mc.irecv(torch.zeros(1), group=pair, group_src=-1)):
+                with pytest.raises(ValueError) as err:
+                    call()
+                msgs.append(str(err.value))
+        return msgs
+
+    for msgs in mc.run_local(WORLD, fn, timeout=30)[0::2]:
+        assert "group_dst = 2 is not a rank of group" in msgs[0] and "use 0..1" in msgs[0]
+        assert "group_src = -1 is not a rank of group" in msgs[1]

@@ -86,7 +86,11 @@ CONFIG_CASES = {
     "model-vocab-smaller-than-tokenizer": (["--model.vocab_size=300"], ["model.vocab_size = 300", "512"]),
     "data-vocab-too-small": (["--data.vocab_size=100"], ["data.vocab_size = 100", "257"]),
     "checkpoint-keep-zero": (["--checkpoint.keep=0"], ["checkpoint.keep >= 1", "keep = 0"]),
+    "precision-fp16": (["--train.precision=fp16"], ["train.precision = 'fp16'", "loss scaling", "'bf16'"]),
 }
+if not torch.cuda.is_available():  # a GPU machine would train there instead of failing
+    CONFIG_CASES["device-cuda-without-gpu"] = (["--train.device=cuda"], ["train.device = 'cuda'", "no CUDA device",
+                                                                        "train.device = 'cpu'"])
 
 
 @pytest.mark.parametrize("args, needles", CONFIG_CASES.values(), ids=CONFIG_CASES.keys())

@@ -66,7 +66,9 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
 
     rows = _rows(out / "metrics.jsonl")
     steps = [r["step"] for r in rows]
-    assert len(steps) > 16 and steps[-1] == 16  # some steps ran twice: before the kill and after
+    # steps logged after the last checkpoint before the kill run twice; under load the kill can land
+    # right after a checkpoint, when there is nothing to replay (exit 0 after a kill -9 is the restart)
+    assert len(steps) >= 16 and steps[-1] == 16
     last: dict[int, dict] = {}
     for r in rows:
         if r["step"] in last:  # a replayed step repeats its first run bit for bit

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `make gpu-check`: on a machine with an NVIDIA GPU, run the CUDA tests and the GPU benchmarks in one
+# command and write gpu-check/report.md. Exits non-zero without CUDA (nothing is measured then) or
+# when any part fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu-check: torch $($PY -c 'import torch; print(torch.__version__)') sees no CUDA device; run it on a" \
+         "machine with an NVIDIA GPU and a CUDA build of torch (pip install torch==2.13.0 from PyPI)" >&2
+    exit 1
+fi
+OUT=gpu-check
+rm -rf "$OUT.tmp" && mkdir -p "$OUT.tmp"
+status=0
+{
+    echo "# meshtrain gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo
+    echo "- device: $($PY -c 'import torch; print(torch.cuda.get_device_name(0))'), torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+} > "$OUT.tmp/report.md"
+
+echo "## 1. CUDA tests (pytest -m cuda)" >> "$OUT.tmp/report.md"
+$PY -m pytest -m cuda -p no:cacheprovider -q 2>&1 | tee "$OUT.tmp/tests.txt" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+{ echo '```'; tail -5 "$OUT.tmp/tests.txt"; echo '```'; } >> "$OUT.tmp/report.md"
+
+echo "## 2. 1b preset, bf16, seq 2048, compiled: meshtrain train vs a plain PyTorch loop" >> "$OUT.tmp/report.md"
+.venv/bin/meshtrain bench loop --preset 1b --seq 2048 --batch 4 --precision bf16 --compile --device cuda \
+    --steps 20 --warmup 5 --trials 3 --json "$OUT.tmp/loop-1b.json" 2>&1 | tee "$OUT.tmp/loop-1b.txt" | tail -4
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+{ echo '```'; tail -4 "$OUT.tmp/loop-1b.txt"; echo '```'; } >> "$OUT.tmp/report.md"
+
+echo "## 3. 8b preset, bf16, full activation checkpointing, seq 2048: peak memory against the estimate" >> "$OUT.tmp/report.md"
+# fp32 masters + gradients + AdamW's two moments are 16 bytes per parameter: 128 GB for 8B, so this
+# fits only a GPU with more memory than that (an H200), on one rank (ZeRO-3 over dp 1 shards nothing)
+$PY - "$OUT.tmp" >> "$OUT.tmp/report.md" 2>&1 <<'PYEOF' || status=1
+import dataclasses, json, subprocess, sys, torch
+from meshtrain.models.llama import PRESETS, Llama, num_params
+out = sys.argv[1]
+cfg = dataclasses.replace(PRESETS["8b"], vocab_size=8192)  # the trainer takes the tokenizer's vocabulary
+with torch.device("meta"):
+    n = num_params(Llama(cfg))
+b, s = 1, 2048
+# estimate: 16 B/parameter (fp32 weight, grad, exp_avg, exp_avg_sq) + the checkpointed fp32 residual
+# stream per layer + one layer recomputed in bf16 (~34 values per token per width, Korthikanti et al.)
+# + fp32 logits and their gradient
+est = 16 * n + cfg.n_layers * b * s * cfg.dim * 4 + 34 * b * s * cfg.dim * 2 + 2 * b * s * cfg.vocab_size * 4
+have = torch.cuda.get_device_properties(0).total_memory
+print(f"- parameters {n / 1e9:.2f} B; estimate {est / 2**30:.1f} GiB; device memory {have / 2**30:.1f} GiB")
+if est > have:
+    print("- skipped: the estimate exceeds this GPU's memory (needs an H200-class GPU)")
+    sys.exit(0)
+run = f"{out}/train-8b"
+cmd = [".venv/bin/meshtrain", "train", "--model.preset=8b", "--data.vocab_size=8192", "--train.precision=bf16",
+       "--train.device=cuda", "--parallel.dp=1", "--parallel.tp=1", "--parallel.activation_checkpointing=full",
+       f"--train.seq_len={s}", f"--train.global_batch={b}", "--train.steps=3", "--train.warmup_steps=1",
+       "--comm.transport=local", "--checkpoint.enabled=false", "--no-progress", f"--out={run}"]
+res = subprocess.run(cmd, capture_output=True, text=True)
+if res.returncode:
+    print(f"- FAILED (exit {res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
+    sys.exit(1)
+peak = max(json.loads(line)["peak_mem_bytes"] for line in open(f"{run}/metrics.jsonl"))
+print(f"- measured peak {peak / 2**30:.1f} GiB = {peak / est:.2f} x the estimate")
+PYEOF
+
+rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
+echo "gpu-check: wrote $OUT/report.md (exit $status)"
+exit $status
