@@ -72,10 +72,11 @@ def own_header_dir(tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_compiled_blocks_keep_fp32_parity(own_header_dir):
     """Each block compiled (inductor on the CPU; the tp/cp collectives break the graph): same
-    losses as plain eager PyTorch within fp32 tolerance, on one rank and under tp2 (each layout
-    compiles anew, about 10 s here, so the cp ring's graph break is left to the tp one's proof)."""
+    losses as plain eager PyTorch within fp32 tolerance under tp2: compiled blocks with the tp
+    collectives as graph breaks (each layout compiles anew, 10-14 s here, so one rank's plain case
+    and the cp ring's break are left to this one's proof)."""
     want, _ = reference(STEPS)
-    for layout in ({"dp": 1}, {"tp": 2}):
+    for layout in ({"tp": 2},):
         for got in _losses(layout, {"compile": True}):
             assert _rel(got, want) <= 1e-5, (layout, got, want)
 
