@@ -228,6 +228,12 @@ def preferred(group, op: str) -> str | None:
     return name
 
 
+# Sizes (bytes) from which auto takes gloo's own collective on the torch transport over gloo: its
+# ring in C++ beat meshtrain's Python algorithms over gloo's point-to-point there (all_reduce at
+# p=4: auto 0.54-0.68x gloo at 2-8 MB, 0.79-0.81x at p=2 at 1 and 8 MB; below 1 MB auto ran
+# 1.0-2.1x gloo). gloo's reduce_scatter and all_gather lost to auto at every size measured.
+NATIVE_FROM_GLOO = {"all_reduce": 1 << 20}
+
 # Sizes (bytes) from which auto takes hierarchical on a group spanning hosts with shm inside each
 # (below 1 MiB the model's recursive doubling or tree did as well for all_reduce).
 HIERARCHICAL_FROM = {"all_reduce": 1 << 20, "all_gather": 0, "reduce_scatter": 0}
@@ -252,6 +258,8 @@ def choose(group, op: str, nbytes: int) -> str:
         # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
         # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
         return "native"
+    if t.kind == "torch" and nbytes >= NATIVE_FROM_GLOO.get(op, math.inf) and "native" in algorithms_for(op, "torch"):
+        return "native"  # gloo's own ring from 1 MB (measured above NATIVE_FROM_GLOO)
     if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
         # this transport at every size measured (docs/benchmarks.md, "auto on the shm

@@ -125,3 +125,7 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
         assert select.choose(group("nccl"), op, 1 << 20) == "native"
         assert select.choose(group("cpu:gloo,cuda:nccl"), op, 1 << 20) == "native"
     assert any(select.choose(group("gloo"), op, 1 << 20) != "native" for op in ops)
+    # gloo: its own all_reduce from select.NATIVE_FROM_GLOO on, the cost model below it
+    assert select.choose(group("gloo"), "all_reduce", select.NATIVE_FROM_GLOO["all_reduce"]) == "native"
+    assert select.choose(group("gloo"), "all_reduce", select.NATIVE_FROM_GLOO["all_reduce"] // 2) != "native"
+    assert select.choose(group("gloo"), "reduce_scatter", 1 << 24) != "native"
