@@ -26,11 +26,14 @@ def test_bad_input_exits_2(argv, fragment, capsys):
 
 def test_tiny_compare_run_writes_records(tmp_path, capsys):
     out = tmp_path / "train.json"
-    rc = main(["bench", "train", "--compare", "--impls", "meshtrain-zero3", "--world", "2", "--preset", "test",
+    rc = main(["bench", "train", "--compare", "--impls", "meshtrain-zero3,meshtrain-dp-shm", "--world", "2", "--preset", "test",
                "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1", "--json", str(out)])
     assert rc == 0
     recs = {r["impl"]: r for r in json.loads(out.read_text())["records"]}
-    assert set(recs) == {"meshtrain-zero3", "torch-fsdp2"}
+    assert set(recs) == {"meshtrain-zero3", "torch-fsdp2", "meshtrain-dp-shm", "torch-ddp"}
+    shm = recs["meshtrain-dp-shm"]  # DataParallel on the shm transport, against DDP on gloo
+    assert shm["peer"] == "torch-ddp" and shm["loss"] == pytest.approx(recs["torch-ddp"]["loss"], rel=1e-4)
+    assert any(c.endswith(":shm") for c in shm["collectives"]), shm["collectives"]
     z, f = recs["meshtrain-zero3"], recs["torch-fsdp2"]
     assert z["peer"] == "torch-fsdp2" and z["ratio_to_peer"] == pytest.approx(z["tokens_per_s"] / f["tokens_per_s"])
     assert z["peak_mem_bytes"] > 0 and z["tokens_per_s"] > 0

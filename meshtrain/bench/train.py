@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 
-IMPLS = ("torch-ddp", "meshtrain-dp", "torch-fsdp2", "meshtrain-zero3")
-PEER = {"meshtrain-dp": "torch-ddp", "meshtrain-zero3": "torch-fsdp2"}
+IMPLS = ("torch-ddp", "meshtrain-dp", "meshtrain-dp-shm", "torch-fsdp2", "meshtrain-zero3")
+PEER = {"meshtrain-dp": "torch-ddp", "meshtrain-dp-shm": "torch-ddp", "meshtrain-zero3": "torch-fsdp2"}
+# meshtrain-dp runs on the torch transport (gloo, as DDP does); meshtrain-dp-shm on the shm
+# transport, which a user on one host gets (comm.transport = auto)
+TRANSPORT = {"meshtrain-dp-shm": "shm"}
 
 
 def _wrap(impl: str, model: torch.nn.Module, bucket_cap_mb: float, algorithm: str = "auto") -> tuple[torch.nn.Module, Any]:
@@ -29,7 +32,7 @@ def _wrap(impl: str, model: torch.nn.Module, bucket_cap_mb: float, algorithm: st
 
         m = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         return m, torch.optim.AdamW(model.parameters(), **opt_kw)
-    if impl == "meshtrain-dp":
+    if impl in ("meshtrain-dp", "meshtrain-dp-shm"):
         from ..comm.compress import AllReduceHook
         from ..parallel.data import DataParallel
 
@@ -103,7 +106,8 @@ def run(worlds: list[int], impls: list[str], trials: int, **kw: Any) -> list[dic
         for _ in range(trials):
             for impl in impls:
                 res = spawn(world, worker, impl, kw["preset"], kw["batch"], kw["seq"], kw["steps"],
-                            kw["warmup"], kw["bucket_cap_mb"], kw.get("algorithm", "auto"), timeout=kw.get("timeout", 600), check=False)
+                            kw["warmup"], kw["bucket_cap_mb"], kw.get("algorithm", "auto"), timeout=kw.get("timeout", 600),
+                            transport=TRANSPORT.get(impl, "torch"))  # the metadata check on, as users run it
                 runs.setdefault((impl, world), []).append({
                     **res[0],
                     "peak_mem_bytes": max(r["peak_mem_bytes"] for r in res),
