@@ -23,6 +23,7 @@ from .context import ring_attention
 from .data import DataParallel
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .tensor_comm import CopyToTP
+from .precision import MixedPrecision
 from .zero import ZeroModel
 
 AC_MODES = ("none", "full", "selective")
@@ -198,7 +199,9 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
         apply_compile(model)
     materialize(model, device, seed)
     if config.zero_stage:
-        return ZeroModel(model, config.zero_stage, mesh.dp_cp, units=list(model.layers.values()))
+        # bf16: the units gather and compute in bf16 (half the all-gather bytes), reduce in fp32
+        mp = MixedPrecision(param_dtype=autocast_dtype(config.precision)) if config.precision != "fp32" else None
+        return ZeroModel(model, config.zero_stage, mesh.dp_cp, units=list(model.layers.values()), mixed_precision=mp)
     if mesh.dp_cp.size > 1:
         return DataParallel(model, mesh.dp_cp, bucket_cap_mb=config.bucket_cap_mb)
     return model

@@ -34,8 +34,9 @@ def test_bf16_autocast_matches_plain_torch_autocast_over_fp32_masters():
     for got in _losses({"dp": 1}, {"precision": "bf16"}):
         assert _rel(got, bf16) <= 1e-4
     # sharded layouts round their bf16 matmuls' partial sums differently: bf16 tolerance
-    for layout in ({"dp": 2, "tp": 2}, {"pp": 2, "cp": 2}):
-        config = {"precision": "bf16", "microbatches": 2} if "pp" in layout else {"precision": "bf16"}
+    for layout, extra in (({"dp": 2, "tp": 2}, {}), ({"pp": 2, "cp": 2}, {"microbatches": 2}),
+                          ({"dp": 2}, {"zero_stage": 3})):  # ZeRO: bf16 units (MixedPrecision)
+        config = {"precision": "bf16", **extra}
         for got in _losses(layout, config):
             assert _rel(got, bf16) <= 2e-2, (layout, got, bf16)
 
