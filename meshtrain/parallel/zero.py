@@ -187,19 +187,6 @@ class ZeroModel(nn.Module):
                 for u in self.units:  # the last backward of the step: nothing is needed any more
                     u.free()
 
-    # -- parameters for outside use --------------------------------------------------------------
-
-    def gather_all(self) -> None:
-        """Make every parameter present (e.g. to read or save the full model under ZeRO-3)."""
-        for u in self.units:
-            u.wait_gathered()
-
-    def free_all(self) -> None:
-        """Undo ``gather_all`` under ZeRO-3 (a no-op for stages 1 and 2)."""
-        if self.stage == 3:
-            for u in self.units:
-                u.free()
-
     def buffer_dtypes(self) -> dict[str, torch.dtype]:
         """Each buffer's dtype before mixed precision converted it (what a checkpoint stores)."""
         return dict(self._buffer_dtypes)

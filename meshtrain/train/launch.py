@@ -36,9 +36,8 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
 
     config = from_dict(config_dict)
     c = config.comm
-    transport = "auto" if c.transport == "auto" else c.transport
     try:
-        comm.init(transport=transport, backend=None if c.backend == "auto" else c.backend, timeout=c.timeout_s,
+        comm.init(transport=c.transport, backend=None if c.backend == "auto" else c.backend, timeout=c.timeout_s,
                   check=c.check, init_timeout=c.init_timeout_s)
     except RuntimeError as exc:  # torch's DistNetworkError when the master cannot listen
         if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):

@@ -33,8 +33,6 @@ REGISTRY: dict[str, dict[str, Callable]] = {
 }
 # gather/scatter "tree" work on a root-relative layout; the front end maps it (see collectives.py).
 
-OPERATIONS = tuple(REGISTRY)
-
 
 def algorithms_for(op: str, transport_kind: str) -> list[str]:
     """Algorithm names valid for ``op`` on a transport kind ("native" only on torch, "shm" on shm)."""
