@@ -15,6 +15,7 @@ import torch
 from . import runner, select
 from .algorithms import algorithms_for, lookup, native, shm_direct
 from .algorithms.base import Ctx
+from .transport.base import capabilities
 from .communicator import Group, current
 from .types import ReduceOp, check_dtype, parse_op, work_dtype
 from .work import Work
@@ -54,7 +55,7 @@ def _algorithm(g: Group, op: str, algorithm: str, nbytes: int) -> str:
 def _check_device(t: torch.Tensor, what: str) -> None:
     """The shm transport moves bytes through host shared memory: a GPU tensor there would cost a
     hidden device-to-host copy per step at best, so it is refused, with the fix."""
-    if current().transport.kind == "shm":
+    if capabilities(current().transport).cpu_only:
         raise ValueError(
             f"{what} is on {t.device}, but the shm transport moves CPU tensors through shared memory: "
             f"for GPU tensors use init(transport='torch') over an NCCL process group (transport "

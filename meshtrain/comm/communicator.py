@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from .algorithms.base import BufferPool
 from .monitor import Monitor
-from .transport.base import Transport
+from .transport.base import Transport, capabilities
 from .work import Work
 
 MAX_GROUPS = 1024  # group ids are packed into p2p tags
@@ -144,7 +144,7 @@ class Communicator:
         if len(self.groups) >= MAX_GROUPS:
             raise ValueError(f"too many groups: meshtrain.comm supports at most {MAX_GROUPS}")
         torch_group = None
-        if self.transport.kind == "torch":
+        if capabilities(self.transport).native_collectives:  # its collectives need torch's own group
             import torch.distributed as dist
 
             torch_group = dist.new_group(sorted(ranks))

@@ -9,6 +9,7 @@ import torch
 from . import runner
 from .algorithms import REGISTRY, native, tree
 from .algorithms.base import Ctx
+from .transport.base import capabilities
 from .collectives import _algorithm, _check_list, _check_tensor, _group, _meta
 from .communicator import Group
 from .types import check_dtype
@@ -166,7 +167,7 @@ def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any 
     """Block until every rank of the group has called barrier (``device_ids``: accepted for
     torch.distributed's signature; meshtrain needs no device to synchronise)."""
     g = _group(group)
-    if g.comm.transport.kind == "torch" and not g.comm.check:
+    if capabilities(g.comm.transport).native_collectives and not g.comm.check:
         return runner.run(g, "barrier", _meta([], torch.float32, "native"),
                           lambda ctx: native.barrier(g.torch_group), async_op, 0)
     return runner.run(g, "barrier", _meta([], torch.float32, "direct"), lambda ctx: None, async_op, 0,

@@ -130,7 +130,7 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
                 raise RuntimeError(f"bug: {name} on shared memory never checked the call's fingerprint")
         except PeerTimeout as exc:
             if fused and ctx.fingerprint is not None:  # timed out before everyone had arrived
-                exc = PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing)
+                exc = PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing, never_arrived=True)
             elif fused and not local:  # across hosts: ask the store who called it at all
                 exc = _who_arrived(g, f"c/{g.gid}/{seq}", payload, exc)
             err = _timeout_error(name, seq, g, exc)
@@ -204,7 +204,7 @@ ARRIVAL_GRACE_S = 3.0
 def _timeout_error(name: str, seq: int, g: Group, exc: PeerTimeout) -> CollectiveTimeout:
     me = g.comm.rank
     where = f"{name} #{seq} on group {g.gid} (ranks {g.ranks})"
-    if "never arrived" in str(exc):
+    if exc.never_arrived:
         err = CollectiveTimeout(
             f"{where} timed out after {g.timeout:g}s on rank {me}: rank(s) {exc.missing} never "
             f"called it. Check that every rank of the group reaches this collective (a rank that "

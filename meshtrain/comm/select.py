@@ -24,6 +24,7 @@ import torch
 
 from .algorithms import REGISTRY, algorithms_for, shm_direct
 from .algorithms.base import Ctx
+from .transport.base import capabilities, on_shared_memory
 from .types import ReduceOp, combine_
 
 SEGMENT = 4 << 20  # ring.SEGMENT_BYTES
@@ -223,7 +224,7 @@ def preferred(group, op: str) -> str | None:
     name = group.comm.preferred_algorithm
     if name is None or name not in algorithms_for(op, group.comm.transport.kind):
         return None
-    if name == "shm" and not (group.comm.transport.is_local(group.ranks) and group.size > 1):
+    if name == "shm" and not (on_shared_memory(group.comm.transport, group.ranks) and group.size > 1):
         return None
     return name
 
@@ -243,7 +244,7 @@ def _hosts_on_shm(group) -> bool:
     """True if ``group`` spans hosts on the shm transport (gloo between them) and some host holds
     two or more of its ranks, so hierarchical's steps inside a host run on shared memory."""
     t = group.comm.transport
-    return (t.kind == "shm" and group.size > 1 and not t.is_local(group.ranks)
+    return (capabilities(t).shared_memory and group.size > 1 and not on_shared_memory(t, group.ranks)
             and 1 < len(set(group.hosts)) < group.size)
 
 
@@ -254,13 +255,14 @@ def choose(group, op: str, nbytes: int) -> str:
     if pref is not None:  # the user's choice (the training config's comm.algorithm) beats the model
         return pref
     t = group.comm.transport
-    if t.kind == "torch" and "nccl" in str(getattr(t, "backend", "")) and "native" in algorithms_for(op, "torch"):
+    caps = capabilities(t)
+    if caps.native_collectives and "nccl" in str(getattr(t, "backend", "")) and "native" in algorithms_for(op, t.kind):
         # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
         # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
         return "native"
-    if t.kind == "torch" and nbytes >= NATIVE_FROM_GLOO.get(op, math.inf) and "native" in algorithms_for(op, "torch"):
+    if caps.native_collectives and nbytes >= NATIVE_FROM_GLOO.get(op, math.inf) and "native" in algorithms_for(op, t.kind):
         return "native"  # gloo's own ring from 1 MB (measured above NATIVE_FROM_GLOO)
-    if t.kind == "shm" and op in shm_direct.ALGORITHMS and t.is_local(group.ranks) and group.size > 1:
+    if op in shm_direct.ALGORITHMS and on_shared_memory(t, group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
         # this transport at every size measured (docs/benchmarks.md, "auto on the shm
         # transport"), while the model, fitted from a one-way ping-pong, prices those algorithms
@@ -279,7 +281,7 @@ def choose(group, op: str, nbytes: int) -> str:
     if len(names) == 1 or group.size == 1:
         return names[0]
     if group.cost_model is None:
-        if t.kind == "local":
+        if caps.ranks_are_threads:
             # Ranks as threads of one process: no implicit calibration. Its exchange is a hidden
             # collective that blocks a thread playing every rank in turn (the seed's operators),
             # and a ping-pong between threads measures the GIL rather than a link. The defaults

@@ -10,7 +10,7 @@ import torch
 from ..errors import CollectiveTimeout
 from .collectives import _group
 from .communicator import Group
-from .transport.base import PeerTimeout
+from .transport.base import PeerTimeout, on_shared_memory
 
 
 def symmetric_empty(size: int | Sequence[int], dtype: torch.dtype = torch.float32,
@@ -32,7 +32,7 @@ def symmetric_empty(size: int | Sequence[int], dtype: torch.dtype = torch.float3
             raise ValueError(f"symmetric_empty: invalid size {size!r}: use non-negative integers")
         numel *= s
     t = g.comm.transport
-    if g.size == 1 or getattr(t, "kind", "") != "shm" or not t.is_local(g.ranks) or numel == 0:
+    if g.size == 1 or not on_shared_memory(t, g.ranks) or numel == 0:
         return torch.empty(shape, dtype=dtype)
     try:
         flat = t.symmetric.allocate(g.ranks, numel, dtype, time.monotonic() + g.timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..transport.base import CAPABILITIES, Capabilities
 from . import direct, hierarchical, recursive, ring, shm_direct, tree
 
 REGISTRY: dict[str, dict[str, Callable]] = {
@@ -35,11 +36,13 @@ REGISTRY: dict[str, dict[str, Callable]] = {
 
 
 def algorithms_for(op: str, transport_kind: str) -> list[str]:
-    """Algorithm names valid for ``op`` on a transport kind ("native" only on torch, "shm" on shm)."""
+    """Algorithm names valid for ``op`` on a transport kind: "native" where it has torch's own
+    collectives, "shm" where it has shared memory (its ``Capabilities``)."""
+    caps = CAPABILITIES.get(transport_kind, Capabilities())
     names = list(REGISTRY[op])
-    if transport_kind == "torch":
+    if caps.native_collectives:
         names.append("native")
-    if transport_kind == "shm" and op in shm_direct.ALGORITHMS:
+    if caps.shared_memory and op in shm_direct.ALGORITHMS:
         names.append("shm")
     return names
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..transport.base import FingerprintMismatch
+from ..transport.base import FingerprintMismatch, capabilities
 from ..types import ReduceOp
 from . import ring, shm_direct, tree
 from .base import Ctx
@@ -40,7 +40,7 @@ from .base import Ctx
 def checks_itself(ctx: Ctx, node_size: int | None) -> bool:
     """True if the hierarchical collectives check the call's metadata fingerprint themselves
     (``Check``): the group spans hosts of the shm transport, each host's ranks on its shared memory."""
-    return (node_size is None and getattr(ctx.transport, "kind", "") == "shm"
+    return (node_size is None and capabilities(ctx.transport).shared_memory
             and not shm_direct.usable(ctx) and len(set(ctx.hosts)) > 1)
 
 

@@ -26,7 +26,7 @@ import os
 import torch
 
 from ..types import ReduceOp, combine_
-from ..transport.base import FingerprintMismatch
+from ..transport.base import FingerprintMismatch, on_shared_memory
 from .base import Ctx, even_bounds
 
 CHUNK_BYTES = int(os.environ.get("MESHTRAIN_SHM_CHUNK_BYTES", str(1 << 20)))
@@ -38,8 +38,7 @@ REDUCE_BLOCK_BYTES = 1 << 20
 
 def usable(ctx: Ctx) -> bool:
     """True if ``ctx``'s group can run the shm collectives (shm transport, one host)."""
-    t = ctx.transport
-    return getattr(t, "kind", "") == "shm" and t.is_local(ctx.ranks)
+    return on_shared_memory(ctx.transport, ctx.ranks)
 
 
 def _area(ctx: Ctx, half_bytes: int):
@@ -90,7 +89,7 @@ def symmetric_of(transport, ranks: list[int], buf: torch.Tensor):
     ``buf`` lies in a symmetric allocation of the group ``ranks`` and is larger than
     ``SMALL_BYTES`` (smaller ones take the one-step path). None otherwise."""
     if (len(ranks) == 1 or buf.numel() * buf.element_size() <= SMALL_BYTES
-            or getattr(transport, "kind", "") != "shm" or not transport.is_local(ranks)):
+            or not on_shared_memory(transport, ranks)):
         return None
     return transport.symmetric.find(buf, ranks)
 

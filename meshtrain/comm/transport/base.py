@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -12,19 +13,57 @@ from ..work import Work
 
 
 class PeerTimeout(CollectiveTimeout):
-    """A transport-level wait ran out of time; ``missing`` lists the global ranks not heard from."""
+    """A transport-level wait ran out of time; ``missing`` lists the global ranks not heard from.
+    ``never_arrived``: they never entered the call (a rank that skipped or has not reached it),
+    as opposed to a peer that stalled mid-operation after every rank arrived."""
 
-    def __init__(self, message: str, missing: Sequence[int]) -> None:
+    def __init__(self, message: str, missing: Sequence[int], never_arrived: bool = False) -> None:
         super().__init__(message)
         self.missing = list(missing)
+        self.never_arrived = never_arrived
 
     def __reduce__(self) -> tuple:  # picklable (spawn's children send their errors to the parent)
-        return (type(self), (str(self), self.missing))
+        return (type(self), (str(self), self.missing, self.never_arrived))
 
 
 class FingerprintMismatch(Exception):
     """The members' fingerprints of one call differ (raised on every member; the runner then
     exchanges the full metadata to name the ranks and what each passed)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport offers beyond tagged point-to-point messages. The library asks these
+    instead of comparing transport names."""
+
+    native_collectives: bool = False
+    """It runs torch.distributed's own collectives (the algorithm "native")."""
+    shared_memory: bool = False
+    """Ranks on one host share buffers: the "shm" collectives and symmetric memory run there."""
+    cpu_only: bool = True
+    """It moves CPU tensors only (shared memory is host memory)."""
+    ranks_are_threads: bool = False
+    """Ranks are threads of one process (no implicit calibration: a ping-pong measures the GIL)."""
+
+
+# The registry: a transport kind's capabilities (known before any transport exists, which is
+# what config validation needs). A new transport registers its kind here.
+CAPABILITIES: dict[str, Capabilities] = {
+    "local": Capabilities(cpu_only=False, ranks_are_threads=True),
+    "shm": Capabilities(shared_memory=True),
+    "torch": Capabilities(native_collectives=True, cpu_only=False),
+}
+
+
+def capabilities(transport: Any) -> Capabilities:
+    """The capabilities of ``transport`` (an instance, or anything with its ``kind``)."""
+    return CAPABILITIES.get(getattr(transport, "kind", ""), Capabilities())
+
+
+def on_shared_memory(transport: Any, ranks: Sequence[int]) -> bool:
+    """True if every rank of ``ranks`` is on this rank's host with shared buffers between them
+    (the shm collectives, symmetric memory and the fused fingerprint check can run)."""
+    return capabilities(transport).shared_memory and transport.is_local(ranks)
 
 
 class Transport(abc.ABC):

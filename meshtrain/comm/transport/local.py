@@ -137,7 +137,7 @@ class LocalTransport(Transport):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [r for r in ranks if r not in posted]
-                    raise PeerTimeout(f"ranks {missing} never arrived", missing)
+                    raise PeerTimeout(f"ranks {missing} never arrived", missing, never_arrived=True)
                 w.board_cond.wait(remaining)
             values = [posted[r] for r in ranks]
             w.board_reads[key] += 1

@@ -383,7 +383,7 @@ class ShmTransport(Transport):
                     ranks, f"x{zlib.crc32(family.encode()):08x}", deadline)
             return board.exchange(key, payload, deadline)
         except PeerTimeout as exc:
-            raise PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing) from None
+            raise PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing, never_arrived=True) from None
 
     def recv_exchange(self, key: str, src: int, deadline: float) -> bytes:
         """Receive an exchange payload too large for the board (see ``exchange_by_messages``)."""
@@ -455,4 +455,5 @@ def _store_all_gather(store: Any, key: str, rank: int, world_size: int, value: s
         if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
             raise
         missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        raise PeerTimeout(f"ranks {missing} never arrived at the shm rendezvous", missing) from None
+        raise PeerTimeout(f"ranks {missing} never arrived at the shm rendezvous", missing,
+                          never_arrived=True) from None

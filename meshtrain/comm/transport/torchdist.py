@@ -115,7 +115,7 @@ class TorchTransport(Transport):
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     raise
                 missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
-                raise PeerTimeout(f"ranks {missing} never arrived", missing) from None
+                raise PeerTimeout(f"ranks {missing} never arrived", missing, never_arrived=True) from None
             values = [v.decode() for v in raw]
             # Once everyone posted this key, everyone has finished reading the previous one.
             group_prefix = key.rsplit("/", 1)[0]
@@ -241,7 +241,8 @@ def elastic_round(store: dist.Store, rank: int, world: int, timeout: float) -> i
             return top
         elif time.monotonic() > deadline:
             missing = [r for r, v in enumerate(values) if v < top]
-            raise PeerTimeout(f"ranks {missing} never arrived at the start of elastic round {top}", missing)
+            raise PeerTimeout(f"ranks {missing} never arrived at the start of elastic round {top}", missing,
+                              never_arrived=True)
         else:
             time.sleep(0.01)
 
