@@ -129,3 +129,27 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
     assert select.choose(group("gloo"), "all_reduce", select.NATIVE_FROM_GLOO["all_reduce"]) == "native"
     assert select.choose(group("gloo"), "all_reduce", select.NATIVE_FROM_GLOO["all_reduce"] // 2) != "native"
     assert select.choose(group("gloo"), "reduce_scatter", 1 << 24) != "native"
+
+
+def test_algorithms_follow_the_transport_capabilities(monkeypatch):
+    """algorithms_for asks the registry, not the transport's name: a new kind gets "native" and
+    "shm" exactly when its Capabilities say so."""
+    from meshtrain.comm.algorithms import algorithms_for
+    from meshtrain.comm.transport import base
+
+    monkeypatch.setitem(base.CAPABILITIES, "plain", base.Capabilities())
+    monkeypatch.setitem(base.CAPABILITIES, "both", base.Capabilities(native_collectives=True, shared_memory=True))
+    assert {"native", "shm"}.isdisjoint(algorithms_for("all_reduce", "plain"))
+    assert {"native", "shm"} <= set(algorithms_for("all_reduce", "both"))
+    assert "shm" not in algorithms_for("all_to_all", "both")  # no shm collective for it
+    assert base.capabilities(type("T", (), {"kind": "unknown"})()) == base.Capabilities()
+
+
+def test_peer_timeout_keeps_its_reason_through_pickle():
+    import pickle
+
+    from meshtrain.comm.transport.base import PeerTimeout
+
+    e = pickle.loads(pickle.dumps(PeerTimeout("ranks [2] never arrived", [2], never_arrived=True)))
+    assert e.missing == [2] and e.never_arrived and str(e) == "ranks [2] never arrived"
+    assert not pickle.loads(pickle.dumps(PeerTimeout("stalled", [1]))).never_arrived
