@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import loop as bench_loop
 
     bench_loop.add_arguments(loop)
+    compat = bsub.add_parser("compat", help="one torch.distributed-style loop under torch.distributed and meshtrain.comm")
+    from .bench import compat as bench_compat
+
+    bench_compat.add_arguments(compat)
     launch = sub.add_parser("launch", help="write a Slurm sbatch script or a Kubeflow PyTorchJob for a config")
     from .train import launch_emit
 
@@ -87,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import checkpoint as bench_checkpoint
 
         return bench_checkpoint.main(args)
+    if args.command == "bench" and args.bench == "compat":
+        from .bench import compat as bench_compat
+
+        return bench_compat.main(args)
     if args.command == "bench" and args.bench == "loop":
         from .bench import loop as bench_loop
 
