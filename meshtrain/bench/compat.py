@@ -28,21 +28,35 @@ MODES = {"torch-gloo": ("torch.distributed", "torch"), "meshtrain-torch": ("mesh
 PEER = "torch-gloo"
 
 
-def loop(dist: Any, rank: int, width: int, batch: int, steps: int, warmup: int) -> dict[str, Any]:
-    """The training loop, written against ``dist`` (either module); returns the timed step times,
-    the final weight and the losses (stage 1)."""
-    cfg = [{"width": width, "batch": batch, "steps": steps + warmup, "lr": 1e-3, "seed": 0}] if rank == 0 else [None]
+def initial_weight(seed: int, stage: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stage ``stage``'s starting weight (width x width)."""
+    g = torch.Generator().manual_seed(seed + stage)
+    return torch.randn(width, width, generator=g, dtype=dtype) / width ** 0.5
+
+
+def next_batch(gen: torch.Generator, batch: int, width: int, dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next (input, target) of a data-parallel replica's stream (``gen`` seeded 100 + replica)."""
+    return (torch.randn(batch, width, generator=gen, dtype=dtype),
+            torch.randn(batch, width, generator=gen, dtype=dtype))
+
+
+def loop(dist: Any, rank: int, width: int, batch: int, steps: int, warmup: int = 0, lr: float = 1e-3,
+         seed: int = 0, dtype: torch.dtype = torch.float32, dp_group: Any = None) -> dict[str, Any]:
+    """The training loop, written against ``dist`` (either module): loss = mean((x W0 W1 - y)^2)
+    with W0 on stage 0 and W1 on stage 1. Returns the timed step times, the final weight and the
+    losses (stage 1). ``dp_group``: this rank's data-parallel pair, made here if not given."""
+    cfg = [{"width": width, "batch": batch, "steps": steps + warmup, "lr": lr, "seed": seed}] if rank == 0 else [None]
     dist.broadcast_object_list(cfg, src=0)
     c = cfg[0]
-    dp_group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    if dp_group is None:
+        dp_group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
     stage, replica = rank % 2, rank // 2
-    g = torch.Generator().manual_seed(c["seed"] + stage)
-    w = (torch.randn(c["width"], c["width"], generator=g) / c["width"] ** 0.5).requires_grad_()
+    w = initial_weight(c["seed"], stage, c["width"], dtype).requires_grad_()
     data = torch.Generator().manual_seed(100 + replica)
     times, losses = [], []
     for step in range(c["steps"]):
-        x = torch.randn(c["batch"], c["width"], generator=data)
-        y = torch.randn(c["batch"], c["width"], generator=data)
+        x, y = next_batch(data, c["batch"], c["width"], dtype)
         t0 = time.perf_counter()
         if stage == 0:
             h = x @ w
@@ -53,7 +67,7 @@ def loop(dist: Any, rank: int, width: int, batch: int, steps: int, warmup: int) 
                 work.wait()
             h.backward(dh)
         else:
-            h = torch.empty(c["batch"], c["width"])
+            h = torch.empty(c["batch"], c["width"], dtype=dtype)
             for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, rank - 1)]):
                 work.wait()
             h.requires_grad_()

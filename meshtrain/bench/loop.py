@@ -145,15 +145,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     med = {k: statistics.median(t[k] for t in trials) for k in trials[0] if k != "trial"}
     ratios = [t["ratio"] for t in trials]
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "params": sum(p.numel() for p in _count(cfg)), "peak_flops": peak, "trials": trials, "median": med,
+            "params": _params(cfg), "peak_flops": peak, "trials": trials, "median": med,
             "ratio_range": [min(ratios), max(ratios)]}
 
 
-def _count(cfg: Any) -> Any:
-    from ..models.llama import Llama
+def _params(cfg: Any) -> int:
+    from ..models.llama import Llama, num_params
 
     with torch.device("meta"):
-        return list(Llama(cfg).parameters())
+        return num_params(Llama(cfg))
 
 
 def main(args: argparse.Namespace) -> int:

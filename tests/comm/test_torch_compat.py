@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import meshtrain.comm as mc
+from meshtrain.bench import compat
 from meshtrain.comm.launch import _pack, _unpack
 
 WORLD = 4  # 2 data-parallel replicas x 2 pipeline stages
-CFG = {"lr": 0.1, "steps": 3, "seed": 7, "batch": 5}
+CFG = {"lr": 0.1, "steps": 3, "seed": 7, "batch": 5, "width": 4}
 
 
 # ------------------------------------------------------------------------------ process harness
@@ -74,62 +75,25 @@ def run_procs(modname: str, fn: Callable[..., Any], *args: Any, world: int = WOR
 # ------------------------------------------------------------------------- the training loop
 
 
-def _batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + replica)
-    return (torch.randn(CFG["batch"], 4, generator=g, dtype=torch.float64),
-            torch.randn(CFG["batch"], 1, generator=g, dtype=torch.float64))
-
-
-def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(3, 1, generator=g, dtype=torch.float64)
-
-
 def train(dist: Any, rank: int, dp_group: Any) -> dict[str, Any]:
-    """dp2 x pp2 in torch.distributed style: the config comes from rank 0 by broadcast_object_list,
-    stage 0 (even ranks) sends activations to stage 1 and gets their gradients back through
-    batch_isend_irecv, and each stage all-reduces its gradients over its data-parallel group."""
-    cfg = [dict(CFG)] if rank == 0 else [None]
-    dist.broadcast_object_list(cfg, src=0)
-    cfg = cfg[0]
-    stage, replica = rank % 2, rank // 2
-    w = _weights(cfg["seed"])[stage].clone().requires_grad_()
-    losses = []
-    for step in range(cfg["steps"]):
-        x, y = _batch(step, replica)
-        if stage == 0:
-            h = x @ w
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, h.detach().contiguous(), rank + 1)]):
-                work.wait()
-            dh = torch.empty_like(h)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, dh, rank + 1)]):
-                work.wait()
-            h.backward(dh)
-        else:
-            h = torch.empty(cfg["batch"], 3, dtype=torch.float64)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, rank - 1)]):
-                work.wait()
-            h.requires_grad_()
-            loss = ((h @ w - y) ** 2).mean()
-            loss.backward()
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, h.grad.contiguous(), rank - 1)]):
-                work.wait()
-            losses.append(loss.item())
-        dist.all_reduce(w.grad, op=dist.ReduceOp.SUM, group=dp_group)
-        with torch.no_grad():
-            w -= cfg["lr"] * w.grad / dist.get_world_size(dp_group)
-        w.grad = None
-    return {"w": w.detach(), "losses": losses}
+    """dp2 x pp2 in torch.distributed style (``meshtrain.bench.compat.loop``, the loop `meshtrain
+    bench compat` times): the config comes from rank 0 by broadcast_object_list, stage 0 (even
+    ranks) sends activations to stage 1 and gets their gradients back through batch_isend_irecv,
+    and each stage all-reduces its gradients over its data-parallel group."""
+    out = compat.loop(dist, rank, CFG["width"], CFG["batch"], CFG["steps"], lr=CFG["lr"], seed=CFG["seed"],
+                      dtype=torch.float64, dp_group=dp_group)
+    return {"w": out["w"], "losses": out["losses"]}  # not the times, which differ between runs
 
 
 def train_reference() -> dict[int, dict[str, Any]]:
     """The same model and data in one process with plain torch (no communication)."""
-    w0, w1 = (t.clone().requires_grad_() for t in _weights(CFG["seed"]))
+    w0, w1 = (compat.initial_weight(CFG["seed"], s, CFG["width"], torch.float64).requires_grad_() for s in (0, 1))
+    gens = [torch.Generator().manual_seed(100 + replica) for replica in (0, 1)]
     losses: dict[int, list[float]] = {0: [], 1: []}
-    for step in range(CFG["steps"]):
+    for _ in range(CFG["steps"]):
         grads = []
         for replica in (0, 1):
-            x, y = _batch(step, replica)
+            x, y = compat.next_batch(gens[replica], CFG["batch"], CFG["width"], torch.float64)
             loss = ((x @ w0 @ w1 - y) ** 2).mean()
             losses[replica].append(loss.item())
             grads.append(torch.autograd.grad(loss, (w0, w1)))

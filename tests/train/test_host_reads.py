@@ -39,14 +39,13 @@ def meshtrain_reads(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallel.dp=1", "--parallel.tp=1"],
-    ["--parallel.dp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
-    ["--parallel.dp=2", "--parallel.tp=1", "--parallel.zero_stage=3"],
-    ["--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=2", "--parallel.cp=2", "--parallel.microbatches=2"],
+@pytest.mark.parametrize("ranks, layout", [
+    (1, ["--parallel.dp=1", "--parallel.tp=1"]),
+    (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    (2, ["--parallel.dp=2", "--parallel.tp=1", "--parallel.zero_stage=3"]),
+    (4, ["--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=2", "--parallel.cp=2", "--parallel.microbatches=2"]),
 ], ids=["one", "dp2xtp2-sp", "zero3", "pp2xcp2"])
-def test_one_host_read_per_rank_per_step(tmp_path, meshtrain_reads, layout):
-    ranks = 4 if "--parallel.tp=2" in layout or "--parallel.pp=2" in layout else 2 if "dp=2" in layout[0] else 1
+def test_one_host_read_per_rank_per_step(tmp_path, meshtrain_reads, ranks, layout):
     per_run = []
     for steps in (2, 5):
         meshtrain_reads.clear()
