@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..placement import placement_of
+
 
 @dataclass
 class LlamaConfig:
@@ -221,15 +223,13 @@ def full_value(name: str, shape: torch.Size | tuple[int, ...], cfg: LlamaConfig,
 
 
 def init_weights(model: Llama, seed: int = 0) -> None:
-    """Initialise every parameter from ``full_value(name)``. A sharded parameter carries
-    ``shard = (dim, index, parts)`` (set by the tensor-parallel layers) and receives its slice."""
+    """Initialise every parameter from ``full_value(name)``. A parameter split over the mesh
+    carries a ``placement`` (``meshtrain.placement``: its global shape and this rank's box) and
+    receives its slice of the global value."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            dim, index, parts = getattr(p, "shard", (0, 0, 1))
-            full_shape = list(p.shape)
-            full_shape[dim] *= parts
-            full = full_value(name, tuple(full_shape), model.cfg, seed)
-            p.copy_(full.narrow(dim, index * p.shape[dim], p.shape[dim]))
+            placement = placement_of(p)
+            p.copy_(placement.local(full_value(name, placement.global_shape, model.cfg, seed)))
 
 
 def num_params(model: nn.Module) -> int:

@@ -9,6 +9,7 @@ gradient of the global mean that one process computes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,9 +20,10 @@ from .. import comm
 from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.llama import Llama, LlamaConfig
+from ..placement import placement_of
 from .context import cp_positions, cp_shard
 from .data import DataParallel
-from .parallelize import ParallelConfig, autocast_dtype, parallelize
+from .parallelize import ZERO_VIEW, ParallelConfig, autocast_dtype, parallelize
 from .pipeline.engine import PipelineEngine, StepStats
 from .pipeline.partition import split_stages
 from .pipeline.schedule import build_schedule, check_schedule
@@ -104,7 +106,7 @@ class ParallelModel:
     # -- parameters ------------------------------------------------------------------------------
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(full-model name, local parameter) of every stage; ``p.shard`` marks tp slices."""
+        """(full-model name, local parameter) of every stage; ``p.placement`` says which slice."""
         out: dict[str, nn.Parameter] = {}
         for m in self.stages.values():
             for n, p in unwrap(m).named_parameters():
@@ -132,17 +134,17 @@ class ParallelOptimizer:
         """Every part's param groups (set ``lr`` here)."""
         return [g for o in self.optimizers for g in o.param_groups]
 
-    def _grad_pieces(self) -> list[tuple[torch.Tensor, float]]:
-        """(gradient piece, weight): weight 1/tp for parameters replicated over tp, so that summing
-        squares over the tp group counts them once; tp slices (``p.shard``) count fully."""
-        tp = self.model.mesh.tp
+    def _grad_pieces(self) -> list[tuple[torch.Tensor, frozenset[str]]]:
+        """(gradient piece, the mesh axes along which ranks hold different pieces): the placement's
+        split axes, plus ZeRO's sharding view for pieces of a flat master shard."""
         out = []
         if not self.model.config.zero_stage:
             for _, p in self.model.named_parameters():
                 if p.grad is not None:
-                    out.append((p.grad, 1.0 if hasattr(p, "shard") else 1.0 / tp))
+                    out.append((p.grad, placement_of(p).sharded_over))
             return out
         for zo in self.optimizers:  # this rank's slice [lo, lo + shard) of each unit's flat gradient
+            zo.model.reduce_replicas()
             for u in zo.model.units:
                 g = u.master.grad
                 if g is None:
@@ -150,7 +152,7 @@ class ParallelOptimizer:
                 for p, off in zip(u.params, u.offsets):
                     a, b = max(off, u.lo), min(off + p.numel(), u.lo + u.shard_size)
                     if a < b:
-                        out.append((g[a - u.lo : b - u.lo], 1.0 if hasattr(p, "shard") else 1.0 / tp))
+                        out.append((g[a - u.lo : b - u.lo], placement_of(p).sharded_over | {ZERO_VIEW}))
         return out
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -158,20 +160,27 @@ class ParallelOptimizer:
         ZeRO shards, each counted once), as a 0-d float64 tensor on the gradients' device; scales
         the gradients down to ``max_norm`` if larger (``max_norm <= 0``: measure only). Like
         ``torch.nn.utils.clip_grad_norm_`` it never reads the norm on the host (no device sync):
-        the scale is min(1, max_norm / norm) computed on the device. Collective over the mesh."""
+        the scale is min(1, max_norm / norm) computed on the device. Collective over the mesh.
+
+        Squares are summed over the axes along which ranks hold different pieces (pp, and every
+        axis a placement splits over); a piece replicated along such an axis is weighted by
+        1 / its size there, so that every element counts once."""
         mesh = self.model.mesh
         pieces = self._grad_pieces()
         device = pieces[0][0].device if pieces else self.model.engine.device
+        # from the stage's parameters, not this rank's pieces: every rank must reduce over the same axes
+        split = {a for _, p in self.model.named_parameters() for a in placement_of(p).sharded_over}
+        axes = ["pp"] + sorted(split) + ([ZERO_VIEW] if self.model.config.zero_stage else [])
+        axes = [a for a in axes if mesh.size(a) > 1]
         sq = torch.zeros((), dtype=torch.float64, device=device)
         by_weight: dict[tuple[float, torch.dtype], list[torch.Tensor]] = {}
-        for g, w in pieces:
+        for g, distinct in pieces:
+            w = 1.0 / math.prod(mesh.size(a) for a in axes if a not in distinct and a != "pp")
             by_weight.setdefault((w, g.dtype), []).append(g)
         for (w, _), grads in by_weight.items():  # one foreach kernel per weight (as torch's clip), summed in float64
             sq += torch.stack(torch._foreach_norm(grads)).double().square().sum() * w
-        groups = [mesh.tp_group, mesh.pp_group] + ([mesh.dp_cp] if self.model.config.zero_stage else [])
-        for group in groups:
-            if group.size > 1:
-                comm.all_reduce(sq, group=group)
+        for axis in axes:
+            comm.all_reduce(sq, group=mesh.group(axis))
         norm = sq.sqrt()
         if max_norm > 0 and pieces:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -7,9 +7,10 @@ Pipeline splitting happens before (``pipeline.partition.split_stages``); ``Paral
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from ..comm import Group
 from ..errors import ConfigError
 from ..mesh import Mesh
-from ..models.llama import Llama, LlamaConfig, RMSNorm, init_weights
+from ..models.llama import Llama, RMSNorm, init_weights
+from ..models.llama_plan import TP_PLAN, check_tensor_parallel, tie_weights
+from ..placement import attach_placements
 from .context import ring_attention
 from .data import DataParallel
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -26,6 +29,8 @@ from .tensor_comm import CopyToTP
 from .precision import MixedPrecision
 from .zero import ZeroModel
 
+ZERO_VIEW = "dp_shard_cp"
+"""The mesh view ZeRO shards over: dp_shard x cp (dp_replicate holds replicas of the shards)."""
 AC_MODES = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
@@ -78,16 +83,6 @@ class ParallelConfig:
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a positive integer")
 
 
-def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
-    """Raise ``ConfigError`` unless heads, KV heads, the MLP width and the vocabulary split over tp."""
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
-                    ("vocab_size", cfg.vocab_size)):
-        if n % tp:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ConfigError(f"model.{what} = {n} is not divisible by tp = {tp}: tensor parallelism splits it "
-                              f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
-
-
 class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm on this rank's sequence slice: the scale's gradient is partial, so it passes through
     ``CopyToTP`` (identity forward, all-reduce over tp backward) and arrives whole on every rank."""
@@ -101,42 +96,49 @@ class SequenceParallelRMSNorm(RMSNorm):
         return self.normalize(x) * CopyToTP.apply(self.weight, self.group)
 
 
-def _column(lin: nn.Linear, group: Group, sp: bool) -> ColumnParallelLinear:
+def _column(lin: nn.Linear, group: Group, sp: bool) -> nn.Module:
     with torch.device(lin.weight.device):
         return ColumnParallelLinear(lin.in_features, lin.out_features, group, bias=lin.bias is not None,
                                     sequence_parallel=sp)
 
 
-def _row(lin: nn.Linear, group: Group, sp: bool) -> RowParallelLinear:
+def _row(lin: nn.Linear, group: Group, sp: bool) -> nn.Module:
     with torch.device(lin.weight.device):
         return RowParallelLinear(lin.in_features, lin.out_features, group, bias=lin.bias is not None,
                                  sequence_parallel=sp)
 
 
-def apply_tensor_parallel(model: Llama, group: Group, sequence_parallel: bool = False) -> None:
-    """Replace the linears by column/row-parallel ones (q, k, v, w1, w3 by output; wo, w2 by input),
-    the embedding and head by vocab-parallel ones, and with sequence parallelism the norms by
-    ``SequenceParallelRMSNorm``. Heads split with the projections: rank r holds q heads
-    r*hq/tp.. and the KV heads they use."""
+def _vocab(emb: nn.Embedding, group: Group, sp: bool) -> nn.Module:
+    with torch.device(emb.weight.device):
+        return VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel=sp)
+
+
+def _sequence_norm(norm: RMSNorm, group: Group, sp: bool) -> nn.Module:
+    return SequenceParallelRMSNorm(norm, group) if sp else norm
+
+
+TP_STYLES: dict[str, Callable[[Any, Group, bool], nn.Module]] = {
+    "colwise": _column, "rowwise": _row, "vocab": _vocab, "sequence_norm": _sequence_norm}
+"""The styles a tensor-parallel plan (``models.llama_plan.TP_PLAN``) may name: module -> its
+tp-split replacement, given the tp group and whether sequence parallelism is on."""
+
+
+def apply_tensor_parallel(model: Llama, group: Group, sequence_parallel: bool = False,
+                          plan: dict[str, str] | None = None) -> None:
+    """Replace every module a tensor-parallel plan names (default: Llama's ``TP_PLAN``) by its
+    style's tp-split version; modules a pipeline stage does not hold (``None``) are skipped."""
+    plan = TP_PLAN if plan is None else plan
     check_tensor_parallel(model.cfg, group.size)
-    sp = sequence_parallel
-    for block in model.layers.values():
-        at, mlp = block.attn, block.mlp
-        at.wq, at.wk, at.wv = (_column(m, group, sp) for m in (at.wq, at.wk, at.wv))
-        at.wo = _row(at.wo, group, sp)
-        mlp.w1, mlp.w3, mlp.w2 = _column(mlp.w1, group, sp), _column(mlp.w3, group, sp), _row(mlp.w2, group, sp)
-        if sp:
-            block.attn_norm = SequenceParallelRMSNorm(block.attn_norm, group)
-            block.mlp_norm = SequenceParallelRMSNorm(block.mlp_norm, group)
-    if model.tok_emb is not None:
-        with torch.device(model.tok_emb.weight.device):
-            model.tok_emb = VocabParallelEmbedding(model.cfg.vocab_size, model.cfg.dim, group, sequence_parallel=sp)
-    if model.norm is not None and sp:
-        model.norm = SequenceParallelRMSNorm(model.norm, group)
-    if model.head is not None:
-        model.head = _column(model.head, group, sp)
-        if model.cfg.tie_embeddings and model.tok_emb is not None:
-            model.head.weight = model.tok_emb.weight  # both split the vocabulary the same way
+    unknown = sorted(set(plan.values()) - set(TP_STYLES))
+    if unknown:
+        raise ConfigError(f"tensor-parallel plan names unknown styles {unknown}; use {sorted(TP_STYLES)}")
+    for name, module in list(model.named_modules()):
+        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, TP_STYLES[style](module, group, sequence_parallel))
+    tie_weights(model)
 
 
 def apply_context_parallel(model: Llama, group: Group) -> None:
@@ -167,17 +169,15 @@ def apply_compile(model: Llama) -> None:
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate a meta-device model on ``device`` and initialise it by name (``init_weights``);
-    a model already materialised is left as it is. Shard metadata survives ``to_empty``."""
+    """Allocate a meta-device model on ``device`` and initialise it by name (``init_weights``),
+    each parameter its slice of the global value (``placement``); a model already materialised
+    keeps its values and gets its placements."""
     if not any(p.is_meta for p in model.parameters()):
+        attach_placements(model)
         return
-    shards = {n: p.shard for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "shard")}
     model.to_empty(device=device)
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if n in shards:
-            p.shard = shards[n]
-    if model.cfg.tie_embeddings and model.head is not None and model.tok_emb is not None:
-        model.head.weight = model.tok_emb.weight
+    tie_weights(model)
+    attach_placements(model)  # to_empty made new parameters: derive their placements again
     init_weights(model, seed)
 
 
@@ -201,7 +201,10 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
     if config.zero_stage:
         # bf16: the units gather and compute in bf16 (half the all-gather bytes), reduce in fp32
         mp = MixedPrecision(param_dtype=autocast_dtype(config.precision)) if config.precision != "fp32" else None
-        return ZeroModel(model, config.zero_stage, mesh.dp_cp, units=list(model.layers.values()), mixed_precision=mp)
+        # ZeRO shards over dp_shard x cp; with dp_replicate > 1 (HSDP) each shard is also averaged
+        # over the replicas
+        return ZeroModel(model, config.zero_stage, mesh.group(ZERO_VIEW), units=list(model.layers.values()),
+                         mixed_precision=mp, replicate_group=mesh.group("dp_replicate"))
     if mesh.dp_cp.size > 1:
         return DataParallel(model, mesh.dp_cp, bucket_cap_mb=config.bucket_cap_mb)
     return model

@@ -17,13 +17,6 @@ from .tensor_comm import (CopyToTP, GatherFromSP, GatherFromTP, ReduceFromTP, Re
                           VocabParallelCrossEntropy)
 
 
-def mark_shard(param: nn.Parameter, dim: int, group: Group) -> nn.Parameter:
-    """Record that ``param`` is slice ``group.rank`` of ``group.size`` equal parts along ``dim`` of a
-    full tensor (nanotron's shard metadata): init by name and checkpoints rebuild the full one."""
-    param.shard = (dim, group.rank, group.size)  # type: ignore[attr-defined]
-    return param
-
-
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ConfigError(f"{what} = {n} is not divisible by tp = {tp}; choose a tp degree that divides it")
@@ -43,8 +36,9 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.out_local = _divide(out_features, group.size, "out_features")
-        self.weight = mark_shard(nn.Parameter(torch.empty(self.out_local, in_features)), 0, group)
-        self.bias = mark_shard(nn.Parameter(torch.zeros(self.out_local)), 0, group) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.out_local, in_features))
+        self.bias = nn.Parameter(torch.zeros(self.out_local)) if bias else None
+        self.shard_dims = {"weight": 0, "bias": 0}  # read by placement.attach_placements
 
     @classmethod
     def from_full(cls, full: nn.Linear, group: Group, **kw) -> "ColumnParallelLinear":
@@ -74,10 +68,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.in_local = _divide(in_features, group.size, "in_features")
-        self.weight = mark_shard(nn.Parameter(torch.empty(out_features, self.in_local)), 1, group)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        if self.bias is not None and sequence_parallel:
-            mark_sequence_parallel(self.bias)
+        self.shard_dims = {"weight": 1}
+        # under sequence parallelism the bias is added to this rank's sequence slice only
+        self.partial_grads = ("bias",) if sequence_parallel else ()
 
     @classmethod
     def from_full(cls, full: nn.Linear, group: Group, **kw) -> "RowParallelLinear":
@@ -109,7 +104,8 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.rows = _divide(num_embeddings, group.size, "vocab_size")
         self.start = group.rank * self.rows
-        self.weight = mark_shard(nn.Parameter(torch.empty(self.rows, dim)), 0, group)
+        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+        self.shard_dims = {"weight": 0}
 
     @classmethod
     def from_full(cls, full: nn.Embedding, group: Group, **kw) -> "VocabParallelEmbedding":
@@ -143,18 +139,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
-def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
-    """Tag a parameter that is replicated over tp but applied to this rank's sequence slice only
-    (norms, a row-parallel bias under sequence parallelism): its gradient is partial."""
-    param.sequence_parallel = True  # type: ignore[attr-defined]
-    return param
-
-
 def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
-    """Sum over tp the partial gradients of parameters tagged by ``mark_sequence_parallel`` (call
-    after backward, before the optimizer; as Megatron does for sequence parallelism)."""
+    """Sum over tp the partial gradients of the parameters a layer declares in ``partial_grads``
+    (replicated over tp but applied to this rank's sequence slice only: a row-parallel bias under
+    sequence parallelism). Call after backward, before the optimizer, as Megatron does."""
     from .tensor_comm import _all_reduce
 
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            p.grad.copy_(_all_reduce(p.grad, group))
+    for m in module.modules():
+        for name in getattr(m, "partial_grads", ()):
+            p = getattr(m, name)
+            if p is not None and p.grad is not None:
+                p.grad.copy_(_all_reduce(p.grad, group))

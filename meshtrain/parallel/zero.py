@@ -31,11 +31,12 @@ from .zero_state import (check_shapes, load_optimizer_shards, model_shard_state,
 
 
 class ZeroModel(nn.Module):
-    """A module whose parameters are sharded over ``group`` in ZeRO ``stage`` 1, 2 or 3."""
+    """A module whose parameters are sharded over ``group`` in ZeRO ``stage`` 1, 2 or 3; with a
+    ``replicate_group`` (HSDP), each of its ranks holds a replica of this rank's shards."""
 
     def __init__(self, module: nn.Module, stage: int, group: Group | None = None, *,
                  units: Iterable[nn.Module] | None = None, mixed_precision: MixedPrecision | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, replicate_group: Group | None = None) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
@@ -47,6 +48,12 @@ class ZeroModel(nn.Module):
         from .data import broadcast_tensors
 
         broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
+        # HSDP: replicas of the whole sharded model (torchtitan's dp_replicate); gradients are
+        # averaged over them once a step, before anything reads them (``reduce_replicas``)
+        self.replicate = replicate_group if replicate_group is not None and replicate_group.size > 1 else None
+        self._replicas_pending = False
+        if self.replicate is not None:
+            broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.replicate)
         self._buffer_dtypes = {n: b.dtype for n, b in module.named_buffers()}
         bdtype = self.mp.buffer_dtype or self.mp.param_dtype
         for b in module.buffers():
@@ -177,6 +184,7 @@ class ZeroModel(nn.Module):
                 )
             for w in self._works:
                 w.wait()
+            self._replicas_pending = self.replicate is not None
         finally:
             self._works = []
             self._launched.clear()
@@ -186,6 +194,16 @@ class ZeroModel(nn.Module):
             if self.stage == 3 and self._outstanding == 0:
                 for u in self.units:  # the last backward of the step: nothing is needed any more
                     u.free()
+
+    def reduce_replicas(self) -> None:
+        """Average the shard gradients over the replica group (HSDP), once after the backwards of a
+        step; a no-op without replicas or when already done. Collective over the replicas."""
+        if not self._replicas_pending:
+            return
+        self._replicas_pending = False
+        for u in self.units:
+            if u.master.grad is not None:
+                comm.all_reduce(u.master.grad, op="avg", group=self.replicate)
 
     def buffer_dtypes(self) -> dict[str, torch.dtype]:
         """Each buffer's dtype before mixed precision converted it (what a checkpoint stores)."""
@@ -260,6 +278,7 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> float:
         """The L2 norm of the full gradient, from every rank's shards (padding is zero)."""
+        self.model.reduce_replicas()
         sq = torch.zeros(1, dtype=torch.float64)
         for u in self.model.units:
             if u.master.grad is not None:
@@ -280,6 +299,7 @@ class ZeroOptimizer:
     def step(self, scaler: Any = None) -> bool:
         """One optimizer step on the shards, then refresh the full parameters (stages 1, 2).
         Returns False if ``scaler`` found inf/NaN on any rank and skipped it."""
+        self.model.reduce_replicas()
         if scaler is not None and not scaler.unscale_and_check([u.master for u in self.model.units],
                                                               self.model.group):
             self.zero_grad()

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.parallel_model import ParallelModel, ParallelOptimizer, unwrap
+from ..parallel.parallel_model import ZERO_VIEW, ParallelModel, ParallelOptimizer, unwrap
 from ..parallel.zero import ZeroModel
 from ..parallel.zero_state import unit_regions
+from ..placement import placement_of
 from .checkpoint_io import Box, to_json
 
 __all__ = ["ShardedTensor", "ModelState", "OptimizerState"]
@@ -69,31 +70,11 @@ class ShardedTensor:
     write: bool = True
 
 
-def _tp_shift(box: Box, local_shape: list[int], shard: tuple[int, int, int]) -> Box:
-    """A box of a tp-local tensor as a box of the full tensor (slice ``index`` along ``dim``)."""
-    dim, index, parts = shard
-    if parts == 1 or not box:
-        return box
-    off = index * local_shape[dim]
-    return tuple((lo + off, hi + off) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(box))
-
-
-def _full_shape(local_shape: list[int], shard: tuple[int, int, int]) -> list[int]:
-    shape = list(local_shape)
-    if shape:
-        shape[shard[0]] *= shard[2]
-    return shape
-
-
-def _first_replica(model: ParallelModel, sharded_over: set[str]) -> bool:
-    """Whether this rank writes a piece held identically on every rank that differs from it only
-    along the mesh axes the piece is *not* sharded over (pp stages hold different parameters)."""
-    coords = model.mesh.coords
-    return all(getattr(coords, ax) == 0 for ax in ("dp", "cp", "tp") if ax not in sharded_over)
-
-
 def param_slots(model: ParallelModel) -> list[Slot]:
-    """Every parameter of this rank's stages, as slots (ZeRO: pieces of the fp32 master shards)."""
+    """Every parameter of this rank's stages, as slots (ZeRO: pieces of the fp32 master shards).
+    Each parameter's ``placement`` gives the full shape and where its local tensor lies in it; the
+    rank that writes a piece is the first of the ranks holding it (``Mesh.is_first_replica``)."""
+    mesh = model.mesh
     slots: list[Slot] = []
     seen: set[str] = set()
     for stage in model.stages.values():
@@ -101,24 +82,22 @@ def param_slots(model: ParallelModel) -> list[Slot]:
             params = dict(unwrap(stage).named_parameters())
             for u in stage.units:
                 regions = unit_regions(u)
-                for name, shape in zip(u.names, u.shapes):
-                    shard = getattr(params[name], "shard", (0, 0, 1))
-                    over = {"dp", "cp"} | ({"tp"} if shard[2] > 1 else set())
-                    local = list(shape)
-                    slots.append(Slot(name, _full_shape(local, shard), u.master,
-                                      [Region(_tp_shift(box, local, shard), start) for box, start in regions[name]],
-                                      _first_replica(model, over)))
+                for name in u.names:
+                    placement = placement_of(params[name])
+                    distinct = placement.sharded_over | {ZERO_VIEW}
+                    slots.append(Slot(name, list(placement.global_shape), u.master,
+                                      [Region(placement.shift(box), start) for box, start in regions[name]],
+                                      mesh.is_first_replica(distinct)))
                     seen.add(name)
         else:
             for name, p in unwrap(stage).named_parameters():
                 if name in seen:
                     continue
                 seen.add(name)
-                shard = getattr(p, "shard", (0, 0, 1))
+                placement = placement_of(p)
                 box = tuple((0, n) for n in p.shape)
-                slots.append(Slot(name, _full_shape(list(p.shape), shard), p,
-                                  [Region(_tp_shift(box, list(p.shape), shard), 0)],
-                                  _first_replica(model, {"tp"} if shard[2] > 1 else set())))
+                slots.append(Slot(name, list(placement.global_shape), p, [Region(placement.shift(box), 0)],
+                                  mesh.is_first_replica(placement.sharded_over)))
     return slots
 
 
@@ -131,7 +110,7 @@ def buffer_slots(model: ParallelModel) -> list[tuple[Slot, torch.Tensor]]:
         for name, b in unwrap(stage).named_buffers():
             value = b.detach() if b.dtype == dtypes.get(name, b.dtype) else b.detach().to(dtypes[name])
             out.append((Slot(name, list(b.shape), value, [Region(tuple((0, n) for n in b.shape), 0)],
-                             _first_replica(model, set())), b))
+                             model.mesh.is_first_replica(())), b))
     return out
 
 

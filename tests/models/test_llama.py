@@ -59,9 +59,10 @@ def test_preset_sizes():
 
 
 def test_init_depends_on_seed_and_name_only():
-    """A shard (p.shard = (dim, index, parts)) gets exactly its slice of the full init, and a
+    """A split parameter (its ``placement``: slice 1 of 2 along dim 0) gets exactly its slice of the full init, and a
     stage holding only some layers gets the same values for them as the whole model."""
     from meshtrain.models.llama import full_value
+    from meshtrain.placement import Placement
 
     full = _model()
     with torch.device("meta"):
@@ -69,9 +70,10 @@ def test_init_depends_on_seed_and_name_only():
     del part.layers["0"], part.layers["1"]
     part.tok_emb = None
     part.to_empty(device="cpu")
-    part.layers["2"].attn.wq.weight.shard = (0, 1, 2)  # pretend: the second half of the rows
     with torch.no_grad():
         part.layers["2"].attn.wq.weight.data = torch.empty(full.cfg.dim // 2, full.cfg.dim)
+    # pretend: the second half of the rows
+    part.layers["2"].attn.wq.weight.placement = Placement.split((full.cfg.dim // 2, full.cfg.dim), "tp", 0, 1, 2)
     init_weights(part, seed=0)
     want = dict(full.named_parameters())
     for name, p in part.named_parameters():

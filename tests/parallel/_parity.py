@@ -55,12 +55,20 @@ def train_rank(rank: int, layout: dict, config: dict, steps: int, clip: float = 
     for i, d in enumerate(batches(steps)):
         losses.append(model.forward_backward(d[:, :-1], d[:, 1:]).item())
         if i == 0 and not config.get("zero_stage"):
-            grads = {n: (p.grad.clone(), getattr(p, "shard", (0, 0, 1))) for n, p in model.named_parameters()}
+            grads = {n: (p.grad.clone(), _split(p)) for n, p in model.named_parameters()}
         if clip:
             losses[-1] = (losses[-1], opt.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
     return losses, grads
+
+
+def _split(p: torch.Tensor) -> tuple[int, int, int]:
+    """(dim, index, parts) of a parameter's tensor-parallel split, from its placement."""
+    from meshtrain.placement import placement_of
+
+    splits = placement_of(p).splits
+    return (splits[0].dim, splits[0].index, splits[0].parts) if splits else (0, 0, 1)
 
 
 def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:

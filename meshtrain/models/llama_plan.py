@@ -1,0 +1,57 @@
+"""Llama's parallelize plan, kept beside the model (as torchtitan keeps one per model).
+
+``TP_PLAN`` is the tensor-parallel plan as a table (picotron's form): a module-name pattern and
+the style that replaces it. ``meshtrain.parallel.parallelize.apply_tensor_parallel`` applies any
+such table; the styles are its vocabulary:
+
+* ``colwise``: a ``ColumnParallelLinear`` (weight and bias split by output rows);
+* ``rowwise``: a ``RowParallelLinear`` (weight split by input columns; its partial outputs summed);
+* ``vocab``: a ``VocabParallelEmbedding`` (rows of the vocabulary split);
+* ``sequence_norm``: with sequence parallelism only, a norm applied to this rank's sequence slice.
+
+q, k, v are split by heads through their output rows (rank r holds q heads r*hq/tp.. and the KV
+heads they use), and the output projection by its input columns, so attention needs no
+communication inside; the MLP likewise (w1, w3 by rows, w2 by columns).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+
+TP_PLAN: dict[str, str] = {
+    "tok_emb": "vocab",
+    "layers.*.attn_norm": "sequence_norm",
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp_norm": "sequence_norm",
+    "layers.*.mlp.w1": "colwise",
+    "layers.*.mlp.w3": "colwise",
+    "layers.*.mlp.w2": "rowwise",
+    "norm": "sequence_norm",
+    "head": "colwise",
+}
+"""Module-name pattern (``*`` is any layer index) -> tensor-parallel style."""
+
+TP_DIVISIBLE = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+"""The ``LlamaConfig`` fields tensor parallelism splits evenly over the tp ranks."""
+
+
+def check_tensor_parallel(cfg: Any, tp: int) -> None:
+    """Raise ``ConfigError`` unless every field of ``TP_DIVISIBLE`` divides by ``tp``."""
+    for what in TP_DIVISIBLE:
+        n = getattr(cfg, what)
+        if n % tp:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ConfigError(f"model.{what} = {n} is not divisible by tp = {tp}: tensor parallelism splits it "
+                              f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
+
+
+def tie_weights(model: Any) -> None:
+    """Re-tie the output head to the embedding (``tie_embeddings``) after a step that replaced or
+    re-made either parameter; both split the vocabulary the same way under tensor parallelism."""
+    if model.cfg.tie_embeddings and model.head is not None and model.tok_emb is not None:
+        model.head.weight = model.tok_emb.weight

@@ -1,0 +1,111 @@
+"""Where each parameter's local tensor lies in its global tensor, on every mesh axis.
+
+A ``Placement`` is nanotron's sharded-parameter info (or DTensor's placements, resolved for one
+rank): the global shape, and for each mesh axis the parameter is split over, the tensor dim, this
+rank's index and the number of parts. Over every other axis the parameter is replicated; over the
+``partial`` axes its *gradient* is a partial sum (a norm under sequence parallelism sees only this
+rank's slice of the sequence). Pipeline stages hold different parameters, so pp is never listed.
+
+Initialisation (``full.narrow`` to the local box), gradient clipping (which axes a gradient is
+distinct along), checkpoints (the box of the full tensor, and which replica writes it) and export
+all read ``param.placement``; ``attach_placements`` derives it from the layers that split a
+parameter (``shard_dims`` on a module), so nothing is copied around by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One mesh axis a tensor is cut along: ``dim`` into ``parts`` equal slices, this rank's ``index``."""
+
+    axis: str
+    dim: int
+    index: int
+    parts: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A parameter's global shape and how this rank's local tensor is cut out of it."""
+
+    global_shape: tuple[int, ...]
+    splits: tuple[Split, ...] = ()
+    """The axes the tensor is split over, outermost first (two splits of one dim nest)."""
+    partial: tuple[str, ...] = ()
+    """Axes over which the gradient is a partial sum that the layer's backward does not reduce."""
+
+    @classmethod
+    def replicated(cls, shape: tuple[int, ...] | torch.Size, partial: tuple[str, ...] = ()) -> "Placement":
+        """A parameter every rank holds whole."""
+        return cls(tuple(shape), (), partial)
+
+    @property
+    def sharded_over(self) -> frozenset[str]:
+        """The axes along which ranks hold different slices."""
+        return frozenset(s.axis for s in self.splits if s.parts > 1)
+
+    @property
+    def box(self) -> Box:
+        """This rank's (start, stop) in the global tensor, per dim."""
+        lo = [0] * len(self.global_shape)
+        size = list(self.global_shape)
+        for s in self.splits:
+            size[s.dim] //= s.parts
+            lo[s.dim] += s.index * size[s.dim]
+        return tuple((a, a + n) for a, n in zip(lo, size))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's tensor."""
+        return tuple(b - a for a, b in self.box)
+
+    def shift(self, local_box: Box) -> Box:
+        """A box of the local tensor as a box of the global one."""
+        return tuple((lo + a, hi + a) for (lo, hi), (a, _) in zip(local_box, self.box))
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the global tensor ``full`` (a view)."""
+        for d, (a, b) in enumerate(self.box):
+            full = full.narrow(d, a, b - a)
+        return full
+
+    @classmethod
+    def split(cls, local_shape: tuple[int, ...] | torch.Size, axis: str, dim: int, index: int,
+              parts: int) -> "Placement":
+        """A tensor of ``local_shape`` that is slice ``index`` of ``parts`` along ``dim`` over ``axis``."""
+        full = list(local_shape)
+        full[dim] *= parts
+        return cls(tuple(full), (Split(axis, dim, index, parts),) if parts > 1 else ())
+
+
+def placement_of(p: torch.Tensor) -> Placement:
+    """A parameter's placement (replicated if none was attached)."""
+    return getattr(p, "placement", None) or Placement.replicated(p.shape)
+
+
+def attach_placements(model: nn.Module, axis: str = "tp") -> None:
+    """Give every parameter of ``model`` a ``placement``: split along the dims the module that owns
+    it declares (``module.shard_dims = {param_name: dim}``, its ``group`` naming index and parts,
+    over mesh ``axis``), partial over ``axis`` where it declares ``partial_grads``, replicated
+    otherwise. Idempotent; call after any step (``to_empty``) that makes new parameter objects."""
+    for module in model.modules():
+        dims = getattr(module, "shard_dims", {})
+        partial = getattr(module, "partial_grads", ())
+        group = getattr(module, "group", None)
+        for name, p in module.named_parameters(recurse=False):
+            if name in dims and group is not None:
+                p.placement = Placement.split(p.shape, axis, dims[name], group.rank, group.size)  # type: ignore[attr-defined]
+            elif name in partial and group is not None and group.size > 1:
+                p.placement = Placement.replicated(p.shape, (axis,))  # type: ignore[attr-defined]
+    for p in model.parameters():
+        if getattr(p, "placement", None) is None:
+            p.placement = Placement.replicated(p.shape)  # type: ignore[attr-defined]
+
