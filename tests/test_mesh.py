@@ -80,3 +80,89 @@ def test_every_factorisation_of_4():
         return out
 
     assert all(all(r) for r in comm.run_local(4, fn, timeout=30))
+
+
+def _expected_ranks(mesh: Mesh, rank: int, axes: tuple[str, ...]) -> list[int]:
+    """The ranks that differ from ``rank`` only along ``axes``, by brute force over coordinates."""
+    mine = mesh.coords_of(rank)
+    return sorted(r for r in range(mesh.world_size)
+                  if all(mesh.coords_of(r)[a] == mine[a] for a in mesh.axes if a not in axes))
+
+
+def test_dp_as_replicas_times_shards():
+    """dp4 = 2 replicas x 2 shards over 8 ranks with tp2: every axis and view groups exactly the
+    ranks that differ along its axes, dp's coordinate reads replica and shard together, and a
+    collective over each group sums exactly its ranks."""
+    views = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
+
+    def fn(rank):
+        mesh = Mesh(dp=4, tp=2, dp_replicate=2)
+        c = mesh.coords
+        assert mesh.axes == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "cp": 1, "tp": 2}
+        assert mesh.shape == {"dp": 4, "pp": 1, "cp": 1, "tp": 2}
+        assert c.dp == c.dp_replicate * 2 + c.dp_shard and rank == c.dp * 2 + c.tp
+        assert mesh.rank_of(dp=c.dp, tp=c.tp) == mesh.rank_of(dp_replicate=c.dp_replicate,
+                                                              dp_shard=c.dp_shard, tp=c.tp) == rank
+        for name in ("dp_replicate", "dp_shard", "tp", *views):
+            axes = views.get(name, (name,))
+            g = mesh.group(name)
+            assert sorted(g.ranks) == _expected_ranks(mesh, rank, axes), name
+            t = torch.tensor([float(rank)])
+            comm.all_reduce(t, group=g)
+            assert t.item() == sum(_expected_ranks(mesh, rank, axes))
+        # ZeRO's shard group and the replicas are different groups; a replica writes first only at 0
+        assert mesh.is_first_replica({"dp_shard_cp", "tp"}) == (c.dp_replicate == 0)
+        return c.dp_replicate, c.dp_shard, c.tp
+
+    assert sorted(comm.run_local(8, fn, timeout=30)) == [(r, s, t) for r in range(2) for s in range(2)
+                                                          for t in range(2)]
+
+
+def test_views_of_one_set_of_ranks_share_a_group_and_no_extra_groups_are_made():
+    """With dp_replicate = 1, dp_shard / dp and dp_cp / dp_shard_cp are the same ranks: one group
+    each, so the named axes create no more groups than the four fixed axes did."""
+    def fn(rank):
+        before = len(comm.current().groups)
+        mesh = Mesh(dp=2, cp=2)
+        assert mesh.group("dp") is mesh.group("dp_shard")
+        assert mesh.group("dp_cp") is mesh.group("dp_shard_cp")
+        assert mesh.group("dp_replicate").size == 1
+        return len(comm.current().groups) - before
+
+    # one dp group per cp coordinate (2), one cp group per dp coordinate (2), one dp x cp group (1)
+    assert comm.run_local(4, fn, timeout=30) == [5] * 4
+
+
+def test_any_named_axes_and_views():
+    """A mesh of other axes (an expert axis, say) gets the same groups and coordinates."""
+    def fn(rank):
+        mesh = Mesh.of({"pp": 2, "ep": 2, "tp": 2}, {"ep_tp": ("ep", "tp")})
+        c = mesh.coords
+        assert rank == (c.pp * 2 + c.ep) * 2 + c.tp and c.ep_tp == c.ep * 2 + c.tp
+        for name, axes in (("ep", ("ep",)), ("ep_tp", ("ep", "tp")), ("pp", ("pp",))):
+            assert sorted(mesh.group(name).ranks) == _expected_ranks(mesh, rank, axes)
+        assert mesh.stage_rank(1 - c.pp) == rank + (4 if c.pp == 0 else -4)
+        return True
+
+    assert all(comm.run_local(8, fn, timeout=30))
+
+
+@pytest.mark.parametrize("axes, views, fragment", [
+    ({"a": 2, "b": 3}, {}, "hold 6 ranks but the world size is 4"),
+    ({"a": 0, "b": 4}, {}, "positive integers"),
+    ({"a": 2, "b": 2}, {"ab": ("b", "a")}, "run of adjacent mesh axes"),
+    ({"a": 2, "b": 2}, {"x": ("a", "c")}, "run of adjacent mesh axes"),
+])
+def test_bad_axes_or_views_are_named(axes, views, fragment):
+    def fn(rank):
+        with pytest.raises(ConfigError, match=fragment):
+            Mesh.of(axes, views)
+        return True
+
+    assert all(comm.run_local(4, fn, timeout=10))
+
+
+def test_dp_replicate_must_divide_dp():
+    with pytest.raises(ConfigError, match=r"dp_replicate = 3 must be a positive integer that divides dp = 4.*\[1, 2, 4\]"):
+        validate_degrees(4, 4, dp_replicate=3)

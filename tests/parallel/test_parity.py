@@ -1,4 +1,4 @@
-"""Loss parity: every (dp, pp, cp, tp) layout trains the test Llama to the one-process losses and
+"""Loss parity: every (dp, pp, cp, tp) layout (dp as replicas x shards too) trains the test Llama to the one-process losses and
 gradients (fp32, 10 steps, same seed and global batches), with ZeRO off and with ZeRO-1."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ LAYOUTS = {
     "dp2xpp2xcp2": (dict(dp=2, pp=2, cp=2), dict(microbatches=2)),
     "tp2xpp2xdp2": (dict(tp=2, pp=2, dp=2), dict(microbatches=2, sequence_parallel=True)),
     "tp2xcp2xpp2": (dict(tp=2, cp=2, pp=2), dict(microbatches=2)),
+    # dp4 as 2 replicas x 2 shards: plain data parallel over all 4 without ZeRO, HSDP with it
+    "dp4-replicate2": (dict(dp=4, dp_replicate=2), {}),
 }
 
 
@@ -37,7 +39,7 @@ def want():
 
 
 def _world(layout: dict) -> int:
-    return math.prod(layout.values())
+    return math.prod(v for k, v in layout.items() if k != "dp_replicate")  # dp counts the replicas
 
 
 def _check(results, want, zero: bool) -> None:
@@ -68,13 +70,16 @@ def test_layout_matches_one_process(name, zero, want):
                                                      zero_stage=2)),
     ("sp-dp2-zero3", dict(tp=2, dp=2), dict(sequence_parallel=True, zero_stage=3)),
     ("cp2xdp2-zero3", dict(cp=2, dp=2), dict(zero_stage=3)),
+    ("hsdp-zero3", dict(dp=4, dp_replicate=2), dict(zero_stage=3)),
+    ("hsdp-tp2-sp-zero2", dict(dp=2, dp_replicate=2, tp=2), dict(sequence_parallel=True, zero_stage=2)),
 ])
 def test_zero_2_and_3_keep_parity_under_model_parallelism(name, layout, config, want):
     """ZeRO-3 under a pipeline keeps the units a later micro-batch's backward still needs."""
     _check(comm.run_local(_world(layout), train_rank, layout, config, STEPS, timeout=100), want, True)
 
 
-@pytest.mark.parametrize("name, zero", [("tp2xpp2", 0), ("sp", 1), ("tp2xcp2xpp2", 1), ("pp2xdp2", 1)])
+@pytest.mark.parametrize("name, zero", [("tp2xpp2", 0), ("sp", 1), ("tp2xcp2xpp2", 1), ("pp2xdp2", 1),
+                                        ("dp4-replicate2", 1)])
 def test_clipped_training_and_global_grad_norm_match(name, zero):
     """The global gradient norm counts tp slices, stages and ZeRO shards once each: it equals
     torch's clip_grad_norm_ on one process, and clipped training keeps parity."""

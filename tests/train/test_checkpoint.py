@@ -60,7 +60,7 @@ def _train(rank: int, layout: dict, config: dict, root: str, start: int, steps: 
 
 
 def _world(layout: dict) -> int:
-    return math.prod(layout.values())
+    return math.prod(v for k, v in layout.items() if k != "dp_replicate")  # dp counts the replicas
 
 
 def _solo(fn, *args):
@@ -79,7 +79,18 @@ RESUMES = {
                                                     zero_stage=2)), (dict(dp=2), {})),
     # ZeRO to ZeRO: tp-sliced flat shards of dp2 re-cut into dp4 shards of whole parameters
     "tp2xdp2-zero3->dp4-zero2": ((dict(tp=2, dp=2), dict(zero_stage=3)), (dict(dp=4), dict(zero_stage=2))),
+    # HSDP (2 replicas of dp2 ZeRO-3 shards) to tp2, and back into HSDP from dp2
+    "hsdp-zero3->tp2": ((dict(dp=4, dp_replicate=2), dict(zero_stage=3)), (dict(tp=2), {})),
+    "dp2->hsdp-zero2": ((dict(dp=2), {}), (dict(dp=4, dp_replicate=2), dict(zero_stage=2))),
 }
+
+
+def test_hsdp_save_is_written_by_the_first_replica_only(tmp_path):
+    """Under dp_replicate = 2 the two replicas hold the same shards: only replica 0 (ranks 0, 1) writes."""
+    root = str(tmp_path)
+    comm.run_local(4, _train, dict(dp=4, dp_replicate=2), {"zero_stage": 2}, root, 0, 1, (1,), timeout=60)
+    step = os.path.join(root, "step-00000001")
+    assert sorted(os.listdir(step)) == ["metadata.json", "rank-00000.safetensors", "rank-00001.safetensors"]
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
