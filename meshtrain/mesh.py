@@ -251,13 +251,25 @@ class Mesh:
         flat = {a for name in distinct for a in self._run(name)} | {"pp"}
         return all(self.coords[a] == 0 for a in self.axes if a not in flat)
 
-    def __getattr__(self, name: str) -> int:
-        # mesh.tp, mesh.dp, ...: the size of an axis or view
-        if name.startswith("_") or name in ("axes", "views"):
-            raise AttributeError(name)
-        if name in self.axes or name in self.views:
-            return self.size(name)
-        raise AttributeError(f"'Mesh' has no attribute {name!r}")
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (dp_replicate x dp_shard)."""
+        return self.size("dp")
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel degree."""
+        return self.size("pp")
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree."""
+        return self.size("cp")
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree."""
+        return self.size("tp")
 
     @property
     def dp_group(self) -> Group:
