@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..comm import Group
+from ..config.parallel import AC_MODES, PRECISIONS, ParallelConfig, check_tensor_parallel  # noqa: F401 (moved; re-exported)
 from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.llama import Llama, LlamaConfig, RMSNorm, init_weights
@@ -26,66 +27,12 @@ from .tensor_comm import CopyToTP
 from .precision import MixedPrecision
 from .zero import ZeroModel
 
-AC_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16")
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The dtype forwards autocast to under ``ParallelConfig.precision`` (None: plain fp32)."""
     return _AUTOCAST[precision]
-
-
-@dataclass
-class ParallelConfig:
-    """How a model is parallelised; the degrees themselves come from the ``Mesh``."""
-
-    sequence_parallel: bool = False
-    """Split the residual stream along the sequence over tp around the norms (needs tp > 1)."""
-    activation_checkpointing: str = "none"
-    """"none", "full" (every block recomputes its forward in backward) or "selective"."""
-    checkpoint_every: int = 2
-    """With "selective", checkpoint the blocks whose layer index is a multiple of this."""
-    zero_stage: int = 0
-    """0: data parallel (all-reduce in buckets); 1, 2, 3: ZeRO over the dp x cp group."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: "afab", "1f1b" or "interleaved"."""
-    microbatches: int = 1
-    """Micro-batches per step (per data-parallel rank); 1F1B needs at least pp."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
-    bucket_cap_mb: float = 25.0
-    """Data-parallel gradient bucket size."""
-    precision: str = "fp32"
-    """"fp32", or "bf16": forwards under ``torch.autocast(bfloat16)``; parameters, gradients, their
-    reductions and the optimizer stay fp32 (fp32 masters)."""
-    compile: bool = False
-    """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
-    checkpointing are applied, before data parallel / ZeRO wrap the model)."""
-
-    def __post_init__(self) -> None:
-        if self.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"activation_checkpointing = {self.activation_checkpointing!r} is not one of "
-                              f"{', '.join(AC_MODES)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage = {self.zero_stage!r}: use 0 (plain data parallel), 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision = {self.precision!r} is not one of {', '.join(PRECISIONS)} ("
-                              f"fp16 would need loss scaling, which only ZeroModel + DynamicLossScaler offer; "
-                              f"use bf16)")
-        for name in ("checkpoint_every", "microbatches", "virtual_stages"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} = {getattr(self, name)!r} must be a positive integer")
-
-
-def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
-    """Raise ``ConfigError`` unless heads, KV heads, the MLP width and the vocabulary split over tp."""
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
-                    ("vocab_size", cfg.vocab_size)):
-        if n % tp:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ConfigError(f"model.{what} = {n} is not divisible by tp = {tp}: tensor parallelism splits it "
-                              f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
 
 
 class SequenceParallelRMSNorm(RMSNorm):

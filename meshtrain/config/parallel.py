@@ -1,0 +1,77 @@
+"""How a model is parallelised, ``ParallelConfig``, with the checks on its values: plain data, no torch.
+
+Split from ``meshtrain/parallel/parallelize.py`` (which re-exports everything here) so that the
+training config, whose ``[parallel]`` section inherits these fields, loads without torch, and so
+that each rule on these values is written once: ``ParallelConfig`` runs them when it is built, and
+the config check runs the same ones naming the config keys (``check_tensor_parallel`` too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .model import LlamaConfig
+
+AC_MODES = ("none", "full", "selective")
+"""The values of ``ParallelConfig.activation_checkpointing``."""
+PRECISIONS = ("fp32", "bf16")
+"""The values of ``ParallelConfig.precision``."""
+
+
+@dataclass
+class ParallelConfig:
+    """How a model is parallelised; the degrees themselves come from the ``Mesh``."""
+
+    sequence_parallel: bool = False
+    """Split the residual stream along the sequence over tp around the norms (needs tp > 1)."""
+    activation_checkpointing: str = "none"
+    """"none", "full" (every block recomputes its forward in backward) or "selective"."""
+    checkpoint_every: int = 2
+    """With "selective", checkpoint the blocks whose layer index is a multiple of this."""
+    zero_stage: int = 0
+    """0: data parallel (all-reduce in buckets); 1, 2, 3: ZeRO over the dp x cp group."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "afab", "1f1b" or "interleaved"."""
+    microbatches: int = 1
+    """Micro-batches per step (per data-parallel rank); 1F1B needs at least pp."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    bucket_cap_mb: float = 25.0
+    """Data-parallel gradient bucket size."""
+    precision: str = "fp32"
+    """"fp32", or "bf16": forwards under ``torch.autocast(bfloat16)``; parameters, gradients, their
+    reductions and the optimizer stay fp32 (fp32 masters)."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
+    checkpointing are applied, before data parallel / ZeRO wrap the model)."""
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in AC_MODES:
+            raise ConfigError(f"activation_checkpointing = {self.activation_checkpointing!r} is not one of "
+                              f"{', '.join(AC_MODES)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage = {self.zero_stage!r}: use 0 (plain data parallel), 1, 2 or 3")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision = {self.precision!r} is not one of {', '.join(PRECISIONS)} ("
+                              f"fp16 would need loss scaling, which only ZeroModel + DynamicLossScaler offer; "
+                              f"use bf16)")
+        for name in ("checkpoint_every", "microbatches", "virtual_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)!r} must be a positive integer")
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    """Raise ``ConfigError`` unless heads, KV heads, the MLP width and the vocabulary split over tp."""
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
+                    ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ConfigError(f"model.{what} = {n} is not divisible by tp = {tp}: tensor parallelism splits it "
+                              f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
+
+
+__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_tensor_parallel"]
