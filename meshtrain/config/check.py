@@ -17,8 +17,8 @@ import typing
 
 from ..errors import ConfigError
 from .model import PRESETS, LlamaConfig
-from .parallel import PRECISIONS, ParallelConfig, check_tensor_parallel
-from .schema import BACKENDS, DEVICES, TRANSPORTS, Config, unknown
+from .parallel import ParallelConfig, check_parallel_values, check_tensor_parallel
+from .schema import BACKENDS, DEVICES, FROM_TRAIN, TRANSPORTS, Config, unknown
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -46,18 +46,20 @@ def model_config(config: Config, tokenizer_vocab: int | None = None) -> LlamaCon
         raise ConfigError(f"model: {e}; change the [model] overrides") from None
 
 
+def _key(name: str) -> str:
+    """The config key of a ``ParallelConfig`` field, for its error messages."""
+    return f"{'train' if name in FROM_TRAIN else 'parallel'}.{name}"
+
+
 def parallel_config(config: Config) -> ParallelConfig:
-    """The ``ParallelConfig`` of ``[parallel]`` (every field that both have)."""
+    """The ``ParallelConfig`` of ``[parallel]`` (every field that both have), with ``FROM_TRAIN``
+    taken from ``[train]``. Its values are checked by ``ParallelConfig``'s own rules, with messages
+    that name the config keys."""
     names = {f.name for f in dataclasses.fields(ParallelConfig)}
     kwargs = {k: v for k, v in dataclasses.asdict(config.parallel).items() if k in names}
-    kwargs.update(precision=config.train.precision, compile=config.train.compile)  # [train] keys the model runs by
-    if config.train.precision == "fp16":
-        raise ConfigError("train.precision = 'fp16' is not supported: fp16 needs loss scaling, which the trainer "
-                          "does not run; use train.precision = 'bf16' (same speed on hardware with bf16, no scaling)")
-    try:
-        return ParallelConfig(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"parallel.{e}") from None
+    kwargs.update({name: getattr(config.train, name) for name in FROM_TRAIN})
+    check_parallel_values(kwargs, key=_key)
+    return ParallelConfig(**kwargs)
 
 
 # The collectives a training run issues with algorithm="auto" (meshtrain/parallel, the trainer,
@@ -144,8 +146,9 @@ def validate(config: Config) -> None:
           "(grad_clip = 0 turns clipping off)")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1} and train.beta2 = {t.beta2} must "
           f"be in [0, 1)")
-    for key, value, choices in (("train.precision", t.precision, PRECISIONS), ("train.device", t.device, DEVICES),
-                                ("comm.transport", c.transport, TRANSPORTS), ("comm.backend", c.backend, BACKENDS)):
+    # (train.precision is ParallelConfig's, checked by parallel_config above)
+    for key, value, choices in (("train.device", t.device, DEVICES), ("comm.transport", c.transport, TRANSPORTS),
+                                ("comm.backend", c.backend, BACKENDS)):
         _need(value in choices, f"{key} = {value!r} is not one of {', '.join(choices)}")
     _need(not (c.backend == "nccl" and t.device == "cpu"), "comm.backend = 'nccl' needs train.device = 'cuda' "
           "(or 'auto' on a GPU machine); on CPU use comm.backend = 'gloo'")

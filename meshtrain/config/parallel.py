@@ -9,7 +9,7 @@ the config check runs the same ones naming the config keys (``check_tensor_paral
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import ConfigError
 
@@ -50,18 +50,33 @@ class ParallelConfig:
     checkpointing are applied, before data parallel / ZeRO wrap the model)."""
 
     def __post_init__(self) -> None:
-        if self.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"activation_checkpointing = {self.activation_checkpointing!r} is not one of "
-                              f"{', '.join(AC_MODES)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage = {self.zero_stage!r}: use 0 (plain data parallel), 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision = {self.precision!r} is not one of {', '.join(PRECISIONS)} ("
-                              f"fp16 would need loss scaling, which only ZeroModel + DynamicLossScaler offer; "
-                              f"use bf16)")
-        for name in ("checkpoint_every", "microbatches", "virtual_stages"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} = {getattr(self, name)!r} must be a positive integer")
+        check_parallel_values(vars(self))
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def check_parallel_values(values: Mapping[str, Any], key: Callable[[str], str] = _same) -> None:
+    """Raise ``ConfigError`` unless the values of ``ParallelConfig``'s fields (by name; other names
+    are ignored) are valid. ``key`` turns a field name into the name the message uses: the field
+    itself for ``ParallelConfig(...)``, the config key ("parallel.zero_stage", "train.precision")
+    when the training config checks the same values, so each rule is written here only."""
+    if values["activation_checkpointing"] not in AC_MODES:
+        raise ConfigError(f"{key('activation_checkpointing')} = {values['activation_checkpointing']!r} is not one "
+                          f"of {', '.join(AC_MODES)}")
+    if values["zero_stage"] not in (0, 1, 2, 3):
+        raise ConfigError(f"{key('zero_stage')} = {values['zero_stage']!r}: use 0 (plain data parallel), 1, 2 or 3")
+    precision = key("precision")
+    if values["precision"] == "fp16":
+        raise ConfigError(f"{precision} = 'fp16' is not supported: fp16 needs loss scaling, which the trainer does "
+                          f"not run (only ZeroModel + DynamicLossScaler offer it); use bf16: {precision} = 'bf16' "
+                          f"(same speed on hardware with bf16, no scaling)")
+    if values["precision"] not in PRECISIONS:
+        raise ConfigError(f"{precision} = {values['precision']!r} is not one of {', '.join(PRECISIONS)}")
+    for name in ("checkpoint_every", "microbatches", "virtual_stages"):
+        if not isinstance(values[name], int) or values[name] < 1:
+            raise ConfigError(f"{key(name)} = {values[name]!r} must be a positive integer")
 
 
 def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
@@ -74,4 +89,4 @@ def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
                               f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
 
 
-__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_tensor_parallel"]
+__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_parallel_values", "check_tensor_parallel"]

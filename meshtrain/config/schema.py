@@ -17,7 +17,7 @@ import inspect
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from ..errors import ConfigError
 from .model import PRESETS, LlamaConfig
@@ -34,7 +34,7 @@ have no source line to read an attribute docstring from)."""
 def field_docs(cls: type) -> dict[str, str]:
     """The docstrings of a dataclass's fields by name, whitespace collapsed: the string literal
     under each field in the source (including the dataclasses it inherits from), or the field's
-    ``metadata["doc"]`` for fields made by code."""
+    ``metadata["doc"]`` for fields made by code; then any ``field_notes`` the class adds."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -51,6 +51,8 @@ def field_docs(cls: type) -> dict[str, str]:
     for f in dataclasses.fields(cls):
         if DOC in f.metadata:
             docs[f.name] = " ".join(f.metadata[DOC].split())
+    for name, note in getattr(cls, "field_notes", {}).items():  # what a subclass adds to an inherited doc
+        docs[name] = f"{docs.get(name, '')} {note}".strip()
     return docs
 
 
@@ -96,10 +98,21 @@ class ModelSection:
                                                       f"({_PRESET_NAMES})."})
 
 
+FROM_TRAIN = ("precision", "compile")
+"""The ``ParallelConfig`` fields a run takes from ``[train]`` (``train.precision``, ``train.compile``),
+not from the ``[parallel]`` keys of the same names that ``ParallelSection`` inherits."""
+
+
 @dataclass
 class ParallelSection(ParallelConfig):
     """The layout: the degrees of the (dp, pp, cp, tp) mesh, plus every field of ``ParallelConfig``
     (inherited with its docs, so the two cannot drift apart)."""
+
+    # appended to the inherited docs in --print-config: these two keys exist only because every
+    # ParallelConfig field is inherited; printed files set them, so they must keep loading
+    field_notes: ClassVar[dict[str, str]] = {
+        name: f"Not read by a run, which takes it from train.{name}; kept so that files setting it still load."
+        for name in FROM_TRAIN}
 
     dp: int = 2
     """Data-parallel degree (replicas, or ZeRO shards)."""
@@ -268,6 +281,6 @@ def unknown(key: str, candidates: Iterable[str], what: str = "config key") -> Co
 
 __all__ = [
     "Config", "ModelSection", "ParallelSection", "TrainSection", "DataSection", "CheckpointSection",
-    "CommSection", "SECTIONS", "TOP_LEVEL", "PRECISIONS", "DEVICES", "TRANSPORTS", "BACKENDS", "field_docs",
+    "CommSection", "SECTIONS", "TOP_LEVEL", "FROM_TRAIN", "PRECISIONS", "DEVICES", "TRANSPORTS", "BACKENDS", "field_docs",
     "hints", "all_keys", "unknown", "overrides_of",
 ]
