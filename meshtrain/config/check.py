@@ -2,11 +2,12 @@
 no processes (``validate``). ``schema.py`` holds the sections, ``loading.py`` reads and writes them.
 
 Each rule has one home: the values of ``ParallelConfig``'s own fields are checked by
-``ParallelConfig`` (``parallel.py``), the model's shape by ``LlamaConfig``, tensor-parallel
-divisibility by ``check_tensor_parallel``, pipeline schedules by ``build_schedule``, algorithm
-names by ``meshtrain.comm``'s registry; ``validate`` runs them all and adds the rules that span
-sections. Imports of the parallel and comm packages are deferred to the check that needs them, and
-the default config needs neither, so loading a config does not import torch.
+``check_parallel_values`` (``parallel.py``, which ``ParallelConfig`` runs too), the model's shape
+by ``LlamaConfig``, tensor-parallel divisibility by ``check_tensor_parallel``, pipeline schedules
+by ``build_schedule``, algorithm names by ``meshtrain.comm``'s registry; ``validate`` runs them all
+and adds the rules that span sections. The schedules (a torch-free module of
+``meshtrain.parallel.pipeline``) are imported when ``validate`` runs, and ``meshtrain.comm`` only to
+check a pinned ``comm.algorithm``: loading the default config imports no torch.
 """
 
 from __future__ import annotations
