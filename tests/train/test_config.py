@@ -196,7 +196,7 @@ def test_model_section_is_derived_from_llama_config():
     assert names == ["preset"] + [f.name for f in dataclasses.fields(LlamaConfig)]
     hints, model_hints = typing.get_type_hints(C.ModelSection), typing.get_type_hints(LlamaConfig)
     for name in names[1:]:
-        assert C.ModelSection().__getattribute__(name) is None
+        assert getattr(C.ModelSection(), name) is None
         assert hints[name] == typing.Optional[model_hints[name]]
         assert docs[name].startswith("Override: ") and llama_docs[name][1:].rstrip(".") in docs[name], name
     assert "padded to a multiple of 64 and tp" in docs["vocab_size"] and "needs pp = 1" in docs["tie_embeddings"]
