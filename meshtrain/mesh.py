@@ -21,6 +21,7 @@ from typing import Iterator, Mapping, Sequence
 
 from . import comm
 from .comm import Communicator, Group
+from .config.parallel import check_dp_replicate
 from .errors import ConfigError
 
 DIMS = ("dp", "pp", "cp", "tp")
@@ -103,10 +104,7 @@ def validate_degrees(world_size: int, dp: int, pp: int = 1, cp: int = 1, tp: int
             f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {prod} but the world size is {world_size}; the "
             f"degrees must multiply to the number of ranks, e.g. {_suggest(world_size, degrees)}"
         )
-    if not _positive_int(dp_replicate) or dp % dp_replicate:
-        ok = [d for d in range(1, dp + 1) if dp % d == 0]
-        raise ConfigError(f"dp_replicate = {dp_replicate!r} must be a positive integer that divides dp = {dp} "
-                          f"(dp = dp_replicate x dp_shard); use one of {ok}")
+    check_dp_replicate(dp, dp_replicate)
 
 
 class Mesh:

@@ -11,14 +11,13 @@ such table; the styles are its vocabulary:
 
 q, k, v are split by heads through their output rows (rank r holds q heads r*hq/tp.. and the KV
 heads they use), and the output projection by its input columns, so attention needs no
-communication inside; the MLP likewise (w1, w3 by rows, w2 by columns).
+communication inside; the MLP likewise (w1, w3 by rows, w2 by columns). Which fields of the
+model must divide by tp is checked with the config (``meshtrain.config.parallel.check_tensor_parallel``).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from ..errors import ConfigError
 
 TP_PLAN: dict[str, str] = {
     "tok_emb": "vocab",
@@ -35,19 +34,6 @@ TP_PLAN: dict[str, str] = {
     "head": "colwise",
 }
 """Module-name pattern (``*`` is any layer index) -> tensor-parallel style."""
-
-TP_DIVISIBLE = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-"""The ``LlamaConfig`` fields tensor parallelism splits evenly over the tp ranks."""
-
-
-def check_tensor_parallel(cfg: Any, tp: int) -> None:
-    """Raise ``ConfigError`` unless every field of ``TP_DIVISIBLE`` divides by ``tp``."""
-    for what in TP_DIVISIBLE:
-        n = getattr(cfg, what)
-        if n % tp:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ConfigError(f"model.{what} = {n} is not divisible by tp = {tp}: tensor parallelism splits it "
-                              f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
 
 
 def tie_weights(model: Any) -> None:

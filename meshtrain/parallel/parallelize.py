@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,10 +16,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..comm import Group
+from ..config.parallel import AC_MODES, PRECISIONS, ParallelConfig, check_tensor_parallel  # noqa: F401 (moved; re-exported)
 from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.llama import Llama, RMSNorm, init_weights
-from ..models.llama_plan import TP_PLAN, check_tensor_parallel, tie_weights
+from ..models.llama_plan import TP_PLAN, tie_weights
 from ..placement import attach_placements
 from .context import ring_attention
 from .data import DataParallel
@@ -31,56 +31,12 @@ from .zero import ZeroModel
 
 ZERO_VIEW = "dp_shard_cp"
 """The mesh view ZeRO shards over: dp_shard x cp (dp_replicate holds replicas of the shards)."""
-AC_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16")
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The dtype forwards autocast to under ``ParallelConfig.precision`` (None: plain fp32)."""
     return _AUTOCAST[precision]
-
-
-@dataclass
-class ParallelConfig:
-    """How a model is parallelised; the degrees themselves come from the ``Mesh``."""
-
-    sequence_parallel: bool = False
-    """Split the residual stream along the sequence over tp around the norms (needs tp > 1)."""
-    activation_checkpointing: str = "none"
-    """"none", "full" (every block recomputes its forward in backward) or "selective"."""
-    checkpoint_every: int = 2
-    """With "selective", checkpoint the blocks whose layer index is a multiple of this."""
-    zero_stage: int = 0
-    """0: data parallel (all-reduce in buckets); 1, 2, 3: ZeRO over the dp x cp group."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: "afab", "1f1b" or "interleaved"."""
-    microbatches: int = 1
-    """Micro-batches per step (per data-parallel rank); 1F1B needs at least pp."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
-    bucket_cap_mb: float = 25.0
-    """Data-parallel gradient bucket size."""
-    precision: str = "fp32"
-    """"fp32", or "bf16": forwards under ``torch.autocast(bfloat16)``; parameters, gradients, their
-    reductions and the optimizer stay fp32 (fp32 masters)."""
-    compile: bool = False
-    """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
-    checkpointing are applied, before data parallel / ZeRO wrap the model)."""
-
-    def __post_init__(self) -> None:
-        if self.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"activation_checkpointing = {self.activation_checkpointing!r} is not one of "
-                              f"{', '.join(AC_MODES)}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage = {self.zero_stage!r}: use 0 (plain data parallel), 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision = {self.precision!r} is not one of {', '.join(PRECISIONS)} ("
-                              f"fp16 would need loss scaling, which only ZeroModel + DynamicLossScaler offer; "
-                              f"use bf16)")
-        for name in ("checkpoint_every", "microbatches", "virtual_stages"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} = {getattr(self, name)!r} must be a positive integer")
 
 
 class SequenceParallelRMSNorm(RMSNorm):

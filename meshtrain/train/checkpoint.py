@@ -178,7 +178,7 @@ def _commit(root: str, tmp: str, final: str, step: int, model: ParallelModel, ha
     pc = model.config
     meta = {
         "format": FORMAT, "version": VERSION, "step": step,
-        "layout": dict(model.mesh.shape), "world_size": model.mesh.world_size,
+        "layout": dict(model.mesh.shape), "axes": dict(model.mesh.axes), "world_size": model.mesh.world_size,
         "parallel": {"zero_stage": pc.zero_stage, "schedule": pc.schedule, "microbatches": pc.microbatches,
                      "virtual_stages": pc.virtual_stages, "sequence_parallel": pc.sequence_parallel},
         "files": files, "entries": entries,

@@ -87,7 +87,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     device = resolve_device(t.device)
     _, tokenizer, tokens = prepare_data(config.data)
     cfg = model_config(config, tokenizer.vocab_size)
-    mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)
+    mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, dp_replicate=p.dp_replicate)
     model = ParallelModel(cfg, mesh, parallel_config(config), seed=t.seed, device=device)
     # fused AdamW on a GPU: one kernel, and its step counts stay on the device (no host reads)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -158,7 +158,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         if logger is not None:
             logger.close()
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "world_size": mesh.world_size,
-               "layout": {"dp": p.dp, "pp": p.pp, "cp": p.cp, "tp": p.tp}, "seconds": time.perf_counter() - start,
+               "layout": {"dp": p.dp, "pp": p.pp, "cp": p.cp, "tp": p.tp, "dp_replicate": p.dp_replicate}, "seconds": time.perf_counter() - start,
                "run_dir": str(run_dir)}
     if logger is not None and logger.history:
         hist = logger.history

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
 
 import pytest
 
 from meshtrain.errors import ConfigError
-from meshtrain.models.llama import LlamaConfig
+from meshtrain.models.llama import PRESETS, LlamaConfig
 from meshtrain.parallel.parallelize import ParallelConfig
 from meshtrain.train import config as C
 from meshtrain.train.config import Config, load_config, model_config, parallel_config, to_toml, validate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path, text: str) -> str:
@@ -130,6 +137,8 @@ def test_missing_and_invalid_files(tmp_path):
     (["--parallel.zero_stage=4"], "parallel.zero_stage = 4: use 0"),
     (["--parallel.tp=3"], "model.n_heads = 8 is not divisible by tp = 3"),
     (["--parallel.dp=0"], "parallel.dp = 0 must be >= 1"),
+    (["--parallel.dp_replicate=3"], "parallel.dp_replicate = 3 must be a positive integer that divides dp = 2 "
+                                    "(dp = dp_replicate x dp_shard); use one of [1, 2]"),
     (["--train.seq_len=1024"], "train.seq_len = 1024 is longer than model.max_seq_len = 512"),
     (["--model.preset=10n"], "unknown model.preset '10n'; did you mean '10m'?"),
     (["--comm.transport=mpi"], "comm.transport = 'mpi' is not one of auto, local, shm, torch"),
@@ -153,3 +162,78 @@ def test_resolve_out_is_a_dated_run_dir():
     assert c.out.startswith("runs/") and len(c.out.split("/")[1]) == len("YYYYmmdd-HHMMSS")
     assert C.resolve_out(Config(out="mine")).out == "mine"
     validate(c)
+
+
+def test_loading_a_config_imports_no_torch():
+    """The config layer is torch-free: in a fresh interpreter, importing it, loading (and so
+    validating) the default config and printing it as TOML pull in neither torch nor meshtrain.comm."""
+    code = ("import sys; from meshtrain.config import load_config, model_config, parallel_config, to_toml; "
+            "c = load_config(); model_config(c); parallel_config(c); to_toml(c); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'meshtrain.comm', "
+            "'meshtrain.models.llama', 'meshtrain.parallel.parallelize', 'meshtrain.train'))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"loading a config imported: {proc.stdout}"
+
+
+def test_print_config_round_trips_through_the_cli(tmp_path, capsys):
+    """``meshtrain train --print-config`` prints a TOML file that loads back to the same config."""
+    from meshtrain.cli import main
+
+    args = ["--model.dim=128", "--model.tie_embeddings=true", "--parallel.zero_stage=2", "--train.lr=3e-4",
+            "--data.path=a \"b\" c", "--comm.algorithm=ring", "--out=runs/x"]
+    assert main(["train", "--print-config", *args]) == 0
+    text = capsys.readouterr().out
+    assert load_config(_write(tmp_path, text)) == load_config(None, args)
+    assert main(["train", "--print-config", f"--config={_write(tmp_path, text)}"]) == 0
+    assert capsys.readouterr().out == text  # printing the printed file changes nothing
+
+
+def test_model_section_is_derived_from_llama_config():
+    """[model] has one optional key per LlamaConfig field, of that field's type, documented from
+    the field's own docstring (plus what the key adds), in LlamaConfig's order."""
+    llama_docs, docs = C.field_docs(LlamaConfig), C.field_docs(C.ModelSection)
+    names = [f.name for f in dataclasses.fields(C.ModelSection)]
+    assert names == ["preset"] + [f.name for f in dataclasses.fields(LlamaConfig)]
+    hints, model_hints = typing.get_type_hints(C.ModelSection), typing.get_type_hints(LlamaConfig)
+    for name in names[1:]:
+        assert getattr(C.ModelSection(), name) is None
+        assert hints[name] == typing.Optional[model_hints[name]]
+        assert docs[name].startswith("Override: ") and llama_docs[name][1:].rstrip(".") in docs[name], name
+    assert "padded to a multiple of 64 and tp" in docs["vocab_size"] and "needs pp = 1" in docs["tie_embeddings"]
+    assert all(f'"{name}"' in docs["preset"] for name in PRESETS)
+
+
+def test_config_modules_import_each_other_one_way():
+    """schema <- check <- loading: no config module imports one that imports it back, and the
+    meshtrain.train names are the same objects as meshtrain.config's."""
+    import ast
+    import meshtrain.config as pkg
+    from meshtrain.train import config_check
+
+    order = ["model", "parallel", "schema", "check", "loading"]
+    for i, name in enumerate(order):
+        tree = ast.parse((Path(pkg.__file__).parent / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+        assert imported <= set(order[:i]), f"{name}.py imports {imported - set(order[:i])}"
+    assert C.load_config is pkg.load_config and C.Config is pkg.Config and C.validate is pkg.validate
+    assert config_check.validate is pkg.validate and LlamaConfig is pkg.LlamaConfig
+    assert ParallelConfig is pkg.ParallelConfig
+
+
+def test_parallel_config_rules_are_written_once_and_name_the_config_key():
+    """ParallelConfig's checks (parallel.py) run for ParallelConfig(...) naming the field and for a
+    run's config naming the key: train.precision, not parallel.precision, which a run does not read."""
+    assert _error(["--train.precision=fp64"]) == "train.precision = 'fp64' is not one of fp32, bf16"
+    assert _error(["--train.precision=fp16"]).startswith("train.precision = 'fp16' is not supported: fp16 needs "
+                                                         "loss scaling")
+    assert _error(["--parallel.virtual_stages=0"]) == "parallel.virtual_stages = 0 must be a positive integer"
+    assert _error(["--parallel.activation_checkpointing=x"]) == \
+        "parallel.activation_checkpointing = 'x' is not one of none, full, selective"
+    with pytest.raises(ConfigError, match=r"^precision = 'fp16' is not supported: .*use bf16: precision = 'bf16'"):
+        ParallelConfig(precision="fp16")
+    c = load_config(None, ["--parallel.precision=bf16", "--parallel.compile=true"])
+    assert (parallel_config(c).precision, parallel_config(c).compile) == ("fp32", False)  # [train]'s
+    assert "takes it from train.precision" in C.field_docs(C.ParallelSection)["precision"]
+    assert "takes it from train.compile" in to_toml(c)

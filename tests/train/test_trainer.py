@@ -50,11 +50,14 @@ def test_run_writes_metrics_plot_and_summary_and_the_loss_falls(tmp_path, capsys
 
 
 def test_every_layout_trains_to_the_same_losses(tmp_path):
-    """Warmup, cosine LR, clipping and AdamW through the whole trainer: one rank vs three layouts."""
+    """Warmup, cosine LR, clipping and AdamW through the whole trainer: one rank vs four layouts."""
     ref = _run(tmp_path, "one", "--parallel.dp=1", "--parallel.tp=1")
     for i, layout in enumerate([["--parallel.dp=2", "--parallel.tp=2"],
                                 ["--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=2", "--parallel.microbatches=2"],
-                                ["--parallel.dp=1", "--parallel.tp=1", "--parallel.cp=2", "--parallel.zero_stage=1"]]):
+                                ["--parallel.dp=1", "--parallel.tp=1", "--parallel.cp=2", "--parallel.zero_stage=1"],
+                                # HSDP: 2 replicas of dp2 ZeRO-2 shards
+                                ["--parallel.dp=4", "--parallel.dp_replicate=2", "--parallel.tp=1",
+                                 "--parallel.zero_stage=2"]]):
         got = _run(tmp_path, f"l{i}", *layout)
         for a, b in zip(got, ref, strict=True):
             assert a["samples"] == b["samples"]

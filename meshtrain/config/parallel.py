@@ -1,0 +1,102 @@
+"""How a model is parallelised, ``ParallelConfig``, with the checks on its values: plain data, no torch.
+
+Split from ``meshtrain/parallel/parallelize.py`` (which re-exports everything here) so that the
+training config, whose ``[parallel]`` section inherits these fields, loads without torch, and so
+that each rule on these values is written once: ``ParallelConfig`` runs them when it is built, and
+the config check runs the same ones naming the config keys (``check_tensor_parallel`` too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .model import LlamaConfig
+
+AC_MODES = ("none", "full", "selective")
+"""The values of ``ParallelConfig.activation_checkpointing``."""
+PRECISIONS = ("fp32", "bf16")
+"""The values of ``ParallelConfig.precision``."""
+
+
+@dataclass
+class ParallelConfig:
+    """How a model is parallelised; the degrees themselves come from the ``Mesh``."""
+
+    sequence_parallel: bool = False
+    """Split the residual stream along the sequence over tp around the norms (needs tp > 1)."""
+    activation_checkpointing: str = "none"
+    """"none", "full" (every block recomputes its forward in backward) or "selective"."""
+    checkpoint_every: int = 2
+    """With "selective", checkpoint the blocks whose layer index is a multiple of this."""
+    zero_stage: int = 0
+    """0: data parallel (all-reduce in buckets); 1, 2, 3: ZeRO over the dp x cp group."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "afab", "1f1b" or "interleaved"."""
+    microbatches: int = 1
+    """Micro-batches per step (per data-parallel rank); 1F1B needs at least pp."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    bucket_cap_mb: float = 25.0
+    """Data-parallel gradient bucket size."""
+    precision: str = "fp32"
+    """"fp32", or "bf16": forwards under ``torch.autocast(bfloat16)``; parameters, gradients, their
+    reductions and the optimizer stay fp32 (fp32 masters)."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
+    checkpointing are applied, before data parallel / ZeRO wrap the model)."""
+
+    def __post_init__(self) -> None:
+        check_parallel_values(vars(self))
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def check_parallel_values(values: Mapping[str, Any], key: Callable[[str], str] = _same) -> None:
+    """Raise ``ConfigError`` unless the values of ``ParallelConfig``'s fields (by name; other names
+    are ignored) are valid. ``key`` turns a field name into the name the message uses: the field
+    itself for ``ParallelConfig(...)``, the config key ("parallel.zero_stage", "train.precision")
+    when the training config checks the same values, so each rule is written here only."""
+    if values["activation_checkpointing"] not in AC_MODES:
+        raise ConfigError(f"{key('activation_checkpointing')} = {values['activation_checkpointing']!r} is not one "
+                          f"of {', '.join(AC_MODES)}")
+    if values["zero_stage"] not in (0, 1, 2, 3):
+        raise ConfigError(f"{key('zero_stage')} = {values['zero_stage']!r}: use 0 (plain data parallel), 1, 2 or 3")
+    precision = key("precision")
+    if values["precision"] == "fp16":
+        raise ConfigError(f"{precision} = 'fp16' is not supported: fp16 needs loss scaling, which the trainer does "
+                          f"not run (only ZeroModel + DynamicLossScaler offer it); use bf16: {precision} = 'bf16' "
+                          f"(same speed on hardware with bf16, no scaling)")
+    if values["precision"] not in PRECISIONS:
+        raise ConfigError(f"{precision} = {values['precision']!r} is not one of {', '.join(PRECISIONS)}")
+    for name in ("checkpoint_every", "microbatches", "virtual_stages"):
+        if not isinstance(values[name], int) or values[name] < 1:
+            raise ConfigError(f"{key(name)} = {values[name]!r} must be a positive integer")
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    """Raise ``ConfigError`` unless heads, KV heads, the MLP width and the vocabulary split over tp."""
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
+                    ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ConfigError(f"model.{what} = {n} is not divisible by tp = {tp}: tensor parallelism splits it "
+                              f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
+
+
+def check_dp_replicate(dp: int, dp_replicate: object, key: str = "dp_replicate") -> None:
+    """Raise ``ConfigError`` unless ``dp_replicate`` is a positive integer dividing ``dp``
+    (dp = dp_replicate x dp_shard: replicas of ZeRO's shards, HSDP)."""
+    if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
+        ok = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(f"{key} = {dp_replicate!r} must be a positive integer that divides dp = {dp} "
+                          f"(dp = dp_replicate x dp_shard); use one of {ok}")
+
+
+__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_dp_replicate", "check_parallel_values",
+           "check_tensor_parallel"]
