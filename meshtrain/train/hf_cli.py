@@ -12,17 +12,19 @@ Every error exits 2 with the reason and leaves no partial output behind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..config.model import LlamaConfig
+
 __all__ = ["add_export_arguments", "add_import_arguments", "add_generate_arguments", "main_export",
            "main_import", "main_generate", "import_hf"]
 
-# LlamaConfig field -> the one [model] override that sets it
-_SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "rope_theta",
-          "norm_eps", "tie_embeddings")
+# every LlamaConfig field: each is set by the [model] override of the same name
+_SHAPE = tuple(f.name for f in dataclasses.fields(LlamaConfig))
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
