@@ -10,7 +10,7 @@ from . import runner
 from .algorithms import REGISTRY, native, tree
 from .algorithms.base import Ctx
 from .transport.base import capabilities
-from .collectives import _algorithm, _check_list, _check_tensor, _group, _meta
+from .call import call_meta, check_list, check_tensor, choose_algorithm, resolve_group
 from .communicator import Group
 from .types import check_dtype
 from .work import Work
@@ -29,13 +29,13 @@ def _blocks(ctx: Ctx, algo: str, root: int, n: int, dtype: torch.dtype,
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
            group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``gather_list[i]`` on global rank ``dst`` receives rank i's ``tensor``."""
-    g = _group(group)
-    check_dtype(_check_tensor(tensor).dtype)
+    g = resolve_group(group)
+    check_dtype(check_tensor(tensor).dtype)
     root = g.check_root(dst, "dst")
     if g.rank == root:
-        _check_list(gather_list, g, tensor, "gather_list")
+        check_list(gather_list, g, tensor, "gather_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = _algorithm(g, "gather", algorithm, nbytes)
+    algo = choose_algorithm(g, "gather", algorithm, nbytes)
 
     def body(ctx: Ctx) -> Any:
         if algo == "native":
@@ -51,19 +51,19 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
                 o.copy_(buf[pos(i) * n : (pos(i) + 1) * n].view(o.shape))
         return gather_list
 
-    return runner.run(g, "gather", _meta([tensor.shape], tensor.dtype, algo, root=dst), body, async_op, nbytes)
+    return runner.run(g, "gather", call_meta([tensor.shape], tensor.dtype, algo, root=dst), body, async_op, nbytes)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
             group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``tensor`` on rank i receives ``scatter_list[i]`` of global rank ``src``."""
-    g = _group(group)
-    check_dtype(_check_tensor(tensor).dtype)
+    g = resolve_group(group)
+    check_dtype(check_tensor(tensor).dtype)
     root = g.check_root(src, "src")
     if g.rank == root:
-        _check_list(scatter_list, g, tensor, "scatter_list")
+        check_list(scatter_list, g, tensor, "scatter_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = _algorithm(g, "scatter", algorithm, nbytes)
+    algo = choose_algorithm(g, "scatter", algorithm, nbytes)
 
     def body(ctx: Ctx) -> torch.Tensor:
         if algo == "native":
@@ -83,24 +83,24 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         tensor.copy_(buf[me * n : (me + 1) * n].view(tensor.shape))
         return tensor
 
-    return runner.run(g, "scatter", _meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
+    return runner.run(g, "scatter", call_meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
                group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``output_tensor_list[j]`` on rank i receives ``input_tensor_list[i]`` of rank j (sizes may differ)."""
-    g = _group(group)
+    g = resolve_group(group)
     for name, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
         if not isinstance(lst, (list, tuple)) or len(lst) != g.size:
             raise ValueError(f"{name} must be a list of {g.size} tensors (the group size)")
         for i, t in enumerate(lst):
-            check_dtype(_check_tensor(t, f"{name}[{i}]").dtype)
+            check_dtype(check_tensor(t, f"{name}[{i}]").dtype)
     dtypes = {t.dtype for t in list(output_tensor_list) + list(input_tensor_list)}
     if len(dtypes) > 1:
         raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes))}")
     dtype = input_tensor_list[0].dtype
     nbytes = sum(t.numel() * t.element_size() for t in input_tensor_list)
-    algo = _algorithm(g, "all_to_all", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_to_all", algorithm, nbytes)
     # Pairwise sizes are checked by the metadata exchange: rank i's send to j must equal j's recv from i.
     sends = [t.numel() for t in input_tensor_list]
     recvs = [t.numel() for t in output_tensor_list]
@@ -116,7 +116,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
             t.copy_(o.view(t.shape))
         return output_tensor_list
 
-    meta = _meta([], dtype, algo)
+    meta = call_meta([], dtype, algo)
     return runner.run(g, "all_to_all", meta, body, async_op, nbytes, pairwise=(sends, recvs))
 
 
@@ -146,9 +146,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     ``input_split_sizes`` (None: equal parts), part j goes to rank j, and ``output`` receives the
     parts of every rank in group order, cut by ``output_split_sizes``; in place in ``output``.
     Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]`` (checked)."""
-    g = _group(group)
-    _check_tensor(output, "output")
-    _check_tensor(input, "input")
+    g = resolve_group(group)
+    check_tensor(output, "output")
+    check_tensor(input, "input")
     if output.dtype != input.dtype:
         raise ValueError(f"all_to_all_single: output is {output.dtype} but input is {input.dtype}; "
                          "both must have one dtype")
@@ -166,9 +166,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Block until every rank of the group has called barrier (``device_ids``: accepted for
     torch.distributed's signature; meshtrain needs no device to synchronise)."""
-    g = _group(group)
+    g = resolve_group(group)
     if capabilities(g.comm.transport).native_collectives and not g.comm.check:
-        return runner.run(g, "barrier", _meta([], torch.float32, "native"),
+        return runner.run(g, "barrier", call_meta([], torch.float32, "native"),
                           lambda ctx: native.barrier(g.torch_group), async_op, 0)
-    return runner.run(g, "barrier", _meta([], torch.float32, "direct"), lambda ctx: None, async_op, 0,
+    return runner.run(g, "barrier", call_meta([], torch.float32, "direct"), lambda ctx: None, async_op, 0,
                       force_exchange=True)
