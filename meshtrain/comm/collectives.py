@@ -2,7 +2,8 @@
 
 Each call validates its arguments, picks the algorithm (``auto`` = the communicator's preferred
 algorithm where valid, else the cost model; see ``select.choose``), and hands a body to
-``runner.run``. Bodies work on a flat buffer: the tensor itself when it is contiguous and already
+``runner.run``. The body runs the algorithm's entry of the dispatch table
+(``algorithms.implementation``). Bodies work on a flat buffer: the tensor itself when it is contiguous and already
 in the working dtype (half-precision sums accumulate in fp32), else a converted copy written back.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from . import runner, select
 from .call import call_meta, check_list, check_tensor, choose_algorithm, finish_avg, resolve_group
-from .algorithms import lookup, native, shm_direct
+from .algorithms import implementation, shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group
 from .types import ReduceOp, check_dtype, parse_op, work_dtype
@@ -46,16 +47,14 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
         sym = None
     extra = {} if sym is None else {"symmetric_offset": sym[1]}
 
+    run = implementation("all_reduce", algo)
+
     def body(ctx: Ctx) -> torch.Tensor:
         buf, back = _flat(tensor, work_dtype(tensor.dtype, rop))
         if sym is not None:  # buf is tensor itself (same dtype, contiguous)
             shm_direct.all_reduce_symmetric(ctx, buf, rop, *sym)
-        elif algo == "native":
-            native.all_reduce(g.torch_group, buf, rop)
-        elif algo == "hierarchical":
-            lookup("all_reduce", algo)(ctx, buf, rop, g.comm.node_size)
         else:
-            lookup("all_reduce", algo)(ctx, buf, rop)
+            run(ctx, g, buf, rop)
         finish_avg(buf, rop, g.size)
         if back:
             tensor.copy_(buf.view(tensor.shape))
@@ -73,6 +72,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group 
     root = g.check_root(dst, "dst")
     nbytes = tensor.numel() * tensor.element_size()
     algo = choose_algorithm(g, "reduce", algorithm, nbytes)
+    run = implementation("reduce", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
         wd = work_dtype(tensor.dtype, rop)
@@ -80,10 +80,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group 
             buf, back = _flat(tensor, wd)
         else:  # algorithms use non-root buffers as scratch; keep the caller's tensor intact
             buf, back = tensor.detach().reshape(-1).to(wd, copy=True), False
-        if algo == "native":
-            native.reduce(g.torch_group, buf, rop, dst)
-        else:
-            lookup("reduce", algo)(ctx, buf, rop, root)
+        run(ctx, g, buf, rop, root, dst)
         if ctx.rank == root:
             finish_avg(buf, rop, g.size)
             if back:
@@ -101,13 +98,11 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
     root = g.check_root(src, "src")
     nbytes = tensor.numel() * tensor.element_size()
     algo = choose_algorithm(g, "broadcast", algorithm, nbytes)
+    run = implementation("broadcast", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
         buf, back = _flat(tensor, tensor.dtype)
-        if algo == "native":
-            native.broadcast(g.torch_group, buf, src)
-        else:
-            lookup("broadcast", algo)(ctx, buf, root)
+        run(ctx, g, buf, root, src)
         if back:
             tensor.copy_(buf.view(tensor.shape))
         return tensor
@@ -115,30 +110,14 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
     return runner.run(g, "broadcast", call_meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
 
 
-def _gathered(g: Group, op: str, algo: str, inp: torch.Tensor, outs: list[torch.Tensor],
-              whole: torch.Tensor | None = None) -> Any:
+def _gathered(g: Group, algo: str, inp: torch.Tensor, outs: list[torch.Tensor], whole: torch.Tensor | None = None) -> Any:
     """Body of the all-gathers: ``outs[i]`` receives rank i's ``inp``. ``whole``, when given, is a
-    flat contiguous tensor whose consecutive blocks are ``outs``: the algorithms then gather in it
-    in place, with no staging buffer (at 16 MB over 2 hosts the staging copy-out was about half
-    of the all-gather's time)."""
+    flat contiguous tensor whose consecutive blocks are ``outs``, so algorithms may gather in it
+    in place."""
+    run = implementation("all_gather", algo)
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
-        if algo == "native":
-            native.all_gather(g.torch_group, g.ranks, outs, inp.contiguous())
-            return outs
-        if algo == "shm":  # straight from the input into the outputs, no staging buffer
-            shm_direct.all_gather_lists(ctx, inp, outs)
-            return outs
-        n = inp.numel()
-        buf = whole if whole is not None else ctx.scratch("all_gather_out", n * g.size, inp.dtype, inp.device)
-        mine = buf[ctx.rank * n : (ctx.rank + 1) * n]
-        if not (inp.is_contiguous() and mine.data_ptr() == inp.data_ptr()):  # not already in place
-            mine.copy_(inp.reshape(-1))
-        lookup("all_gather", algo)(ctx, buf)
-        if whole is not None:
-            return outs
-        for i, o in enumerate(outs):
-            o.view(-1).copy_(buf[i * n : (i + 1) * n]) if o.is_contiguous() else o.copy_(buf[i * n : (i + 1) * n].view(o.shape))
+        run(ctx, g, inp, outs, whole)
         return outs
 
     return body
@@ -152,7 +131,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
     check_list(tensor_list, g, tensor, "tensor_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
     algo = choose_algorithm(g, "all_gather", algorithm, nbytes)
-    body = _gathered(g, "all_gather", algo, tensor, tensor_list)
+    body = _gathered(g, algo, tensor, tensor_list)
     return runner.run(g, "all_gather", call_meta([tensor.shape], tensor.dtype, algo), body, async_op, nbytes)
 
 
@@ -173,31 +152,19 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     algo = choose_algorithm(g, "all_gather", algorithm, nbytes)
     if not output_tensor.is_contiguous():
         raise ValueError("all_gather_into_tensor: output_tensor must be contiguous (call .contiguous())")
-    body = _gathered(g, "all_gather_into_tensor", algo, input_tensor, outs, output_tensor.view(-1))
+    body = _gathered(g, algo, input_tensor, outs, output_tensor.view(-1))
     return runner.run(g, "all_gather_into_tensor", call_meta([input_tensor.shape], input_tensor.dtype, algo), body, async_op, nbytes)
 
 
 def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins: list[torch.Tensor]) -> Any:
+    """Body of the reduce-scatters: ``out`` receives the reduction of every rank's ``ins[me]``."""
+    run = implementation("reduce_scatter", algo)
+
     def body(ctx: Ctx) -> torch.Tensor:
-        wd = work_dtype(out.dtype, rop)
-        n = out.numel()
-        if algo == "native":
-            tmp_out = out if wd == out.dtype else out.to(wd)
-            native.reduce_scatter(g.torch_group, g.ranks, tmp_out, [t.reshape(tmp_out.shape).to(wd) for t in ins], rop)
-            finish_avg(tmp_out, rop, g.size)
-            if tmp_out is not out:
-                out.copy_(tmp_out)
-            return out
-        if algo == "shm" and wd == out.dtype and shm_direct.reduce_scatter_lists(ctx, ins, out, rop):
-            finish_avg(out, rop, g.size)  # straight from the inputs, no staging buffer
-            return out
-        buf = ctx.scratch("rs_in", n * g.size, wd, out.device)
-        for i, t in enumerate(ins):
-            buf[i * n : (i + 1) * n].copy_(t.reshape(-1))
-        lookup("reduce_scatter", algo)(ctx, buf, rop)
-        mine = buf[ctx.rank * n : (ctx.rank + 1) * n]
+        mine = run(ctx, g, out, ins, rop)  # in the working dtype: AVG divides before rounding
         finish_avg(mine, rop, g.size)
-        out.copy_(mine.view(out.shape))
+        if mine is not out:
+            out.copy_(mine.view(out.shape))
         return out
 
     return body

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from . import runner
-from .algorithms import lookup, native
+from .algorithms import implementation
 from .algorithms.base import Ctx
 from .call import call_meta, check_tensor, choose_algorithm, finish_avg, resolve_group
 from .communicator import Group
@@ -31,6 +31,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
     total = sum(t.numel() for t in tensors)
     nbytes = total * tensors[0].element_size()
     algo = choose_algorithm(g, "all_reduce", algorithm, nbytes)
+    run = implementation("all_reduce", algo)
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
         wd = work_dtype(dtype, rop)
@@ -40,12 +41,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
         for t in tensors:
             flat[off : off + t.numel()].copy_(t.reshape(-1))
             off += t.numel()
-        if algo == "native":
-            native.all_reduce(g.torch_group, flat, rop)
-        elif algo == "hierarchical":
-            lookup("all_reduce", algo)(ctx, flat, rop, g.comm.node_size)
-        else:
-            lookup("all_reduce", algo)(ctx, flat, rop)
+        run(ctx, g, flat, rop)
         finish_avg(flat, rop, g.size)
         off = 0
         for t in tensors:

@@ -7,23 +7,13 @@ from typing import Any
 import torch
 
 from . import runner
-from .algorithms import REGISTRY, native, tree
+from .algorithms import implementation
 from .algorithms.base import Ctx
 from .transport.base import capabilities
 from .call import call_meta, check_list, check_tensor, choose_algorithm, resolve_group
 from .communicator import Group
 from .types import check_dtype
 from .work import Work
-
-
-def _blocks(ctx: Ctx, algo: str, root: int, n: int, dtype: torch.dtype,
-            device: torch.device) -> tuple[torch.Tensor, Any]:
-    """Scratch of p blocks on ``device``; ``pos(i)`` is where rank i's block lives (root-relative
-    for 'tree')."""
-    buf = ctx.scratch("personal", n * ctx.size, dtype, device)
-    if algo == "tree":
-        return buf, lambda i: (i - root) % ctx.size
-    return buf, lambda i: i
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
@@ -36,19 +26,10 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         check_list(gather_list, g, tensor, "gather_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
     algo = choose_algorithm(g, "gather", algorithm, nbytes)
+    run = implementation("gather", algo)
 
     def body(ctx: Ctx) -> Any:
-        if algo == "native":
-            native.gather(g.torch_group, g.ranks, tensor.contiguous(), gather_list if ctx.rank == root else None, dst)
-            return gather_list
-        n = tensor.numel()
-        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype, tensor.device)
-        me = pos(ctx.rank)
-        buf[me * n : (me + 1) * n].copy_(tensor.reshape(-1))
-        (tree.gather if algo == "tree" else REGISTRY["gather"][algo])(ctx, buf, root)
-        if ctx.rank == root:
-            for i, o in enumerate(gather_list):
-                o.copy_(buf[pos(i) * n : (pos(i) + 1) * n].view(o.shape))
+        run(ctx, g, tensor, gather_list, root, dst)
         return gather_list
 
     return runner.run(g, "gather", call_meta([tensor.shape], tensor.dtype, algo, root=dst), body, async_op, nbytes)
@@ -64,23 +45,10 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         check_list(scatter_list, g, tensor, "scatter_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
     algo = choose_algorithm(g, "scatter", algorithm, nbytes)
+    run = implementation("scatter", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
-        if algo == "native":
-            out = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            native.scatter(g.torch_group, g.ranks, out,
-                           [t.contiguous() for t in scatter_list] if ctx.rank == root else None, src)
-            if out is not tensor:
-                tensor.copy_(out)
-            return tensor
-        n = tensor.numel()
-        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype, tensor.device)
-        if ctx.rank == root:
-            for i, t in enumerate(scatter_list):
-                buf[pos(i) * n : (pos(i) + 1) * n].copy_(t.reshape(-1))
-        (tree.scatter if algo == "tree" else REGISTRY["scatter"][algo])(ctx, buf, root)
-        me = pos(ctx.rank)
-        tensor.copy_(buf[me * n : (me + 1) * n].view(tensor.shape))
+        run(ctx, g, tensor, scatter_list, root, src)
         return tensor
 
     return runner.run(g, "scatter", call_meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
@@ -101,6 +69,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     dtype = input_tensor_list[0].dtype
     nbytes = sum(t.numel() * t.element_size() for t in input_tensor_list)
     algo = choose_algorithm(g, "all_to_all", algorithm, nbytes)
+    run = implementation("all_to_all", algo)
     # Pairwise sizes are checked by the metadata exchange: rank i's send to j must equal j's recv from i.
     sends = [t.numel() for t in input_tensor_list]
     recvs = [t.numel() for t in output_tensor_list]
@@ -108,10 +77,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     def body(ctx: Ctx) -> list[torch.Tensor]:
         ins = [t.contiguous().view(-1) for t in input_tensor_list]
         outs = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in output_tensor_list]
-        if algo == "native":
-            native.all_to_all(g.torch_group, g.ranks, outs, ins)
-        else:
-            REGISTRY["all_to_all"][algo](ctx, ins, outs)
+        run(ctx, g, outs, ins)
         for o, t in zip(outs, output_tensor_list):
             t.copy_(o.view(t.shape))
         return output_tensor_list
@@ -167,8 +133,10 @@ def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any 
     """Block until every rank of the group has called barrier (``device_ids``: accepted for
     torch.distributed's signature; meshtrain needs no device to synchronise)."""
     g = resolve_group(group)
-    if capabilities(g.comm.transport).native_collectives and not g.comm.check:
-        return runner.run(g, "barrier", call_meta([], torch.float32, "native"),
-                          lambda ctx: native.barrier(g.torch_group), async_op, 0)
-    return runner.run(g, "barrier", call_meta([], torch.float32, "direct"), lambda ctx: None, async_op, 0,
-                      force_exchange=True)
+    # torch's own barrier where the transport has one and no metadata exchange is wanted; else
+    # the runner's forced metadata exchange is the barrier (the "direct" entry does nothing).
+    native = capabilities(g.comm.transport).native_collectives and not g.comm.check
+    algo = "native" if native else "direct"
+    run = implementation("barrier", algo)
+    return runner.run(g, "barrier", call_meta([], torch.float32, algo), lambda ctx: run(ctx, g), async_op, 0,
+                      force_exchange=not native)
