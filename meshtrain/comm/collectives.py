@@ -9,7 +9,7 @@ in the working dtype (half-precision sums accumulate in fp32), else a converted 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
