@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import CollectiveTimeout
+from .call import from_torch_group  # noqa: F401  (re-exported: compat's public name)
 from .collectives import all_gather, broadcast
 from .communicator import Group, _thread, bind_thread, current
 from .p2p import irecv, isend
@@ -141,29 +142,6 @@ class GroupMember(metaclass=_WorldMeta):
     """``GroupMember.WORLD`` (the world group) and ``NON_GROUP_MEMBER``, as in torch.distributed."""
 
     NON_GROUP_MEMBER = -100
-
-
-def from_torch_group(pg: Any) -> Group:
-    """The meshtrain group standing for torch.distributed ProcessGroup ``pg``: the world for torch's
-    default group, else the group made by ``meshtrain.comm.new_group`` whose torch sub-group (or
-    whose ranks, in order) it is. ValueError if there is none (new_group is collective, so it cannot
-    be made here)."""
-    import torch.distributed as tdist
-
-    if not isinstance(pg, tdist.ProcessGroup):
-        raise ValueError(f"invalid group {pg!r}: pass a group made by meshtrain.comm.new_group(), or None")
-    comm = current()
-    for g in comm.groups:
-        if g.torch_group is pg:
-            return g
-    if tdist.is_initialized() and pg is tdist.group.WORLD and tdist.get_world_size() == comm.world_size:
-        return comm.world
-    ranks = tdist.get_process_group_ranks(pg) if tdist.is_initialized() else None
-    for g in comm.groups:
-        if ranks is not None and g.ranks == ranks:
-            return g
-    raise ValueError(f"the torch.distributed group {pg!r} (ranks {ranks}) has no meshtrain.comm group: create it "
-                     "with meshtrain.comm.new_group(ranks) on every rank and pass that")
 
 
 def _resolve(g: Any) -> Group:

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import torch
 
 from . import runner
-from .algorithms import lookup, native
+from .algorithms import implementation
 from .algorithms.base import Ctx
-from .collectives import _algorithm, _check_tensor, _finish_avg, _group, _meta
+from .call import call_meta, check_tensor, choose_algorithm, finish_avg, resolve_group
 from .communicator import Group
 from .types import ReduceOp, check_dtype, parse_op, work_dtype
 from .work import Work
@@ -18,11 +18,11 @@ from .work import Work
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM, group: Group | None = None,
                          async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """All-reduce ``tensors`` in place as one fused message (one dtype; packed into a pooled buffer)."""
-    g, rop = _group(group), parse_op(op)
+    g, rop = resolve_group(group), parse_op(op)
     tensors = list(tensors)
     if not tensors:
         raise ValueError("all_reduce_coalesced needs at least one tensor")
-    dtypes = {_check_tensor(t, "tensors[i]").dtype for t in tensors}
+    dtypes = {check_tensor(t, "tensors[i]").dtype for t in tensors}
     if len(dtypes) != 1:
         raise ValueError(f"all_reduce_coalesced: all tensors must share one dtype, got {sorted(map(str, dtypes))}; "
                          "call it once per dtype")
@@ -30,7 +30,8 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
     check_dtype(dtype, rop)
     total = sum(t.numel() for t in tensors)
     nbytes = total * tensors[0].element_size()
-    algo = _algorithm(g, "all_reduce", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_reduce", algorithm, nbytes)
+    run = implementation("all_reduce", algo)
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
         wd = work_dtype(dtype, rop)
@@ -40,18 +41,13 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
         for t in tensors:
             flat[off : off + t.numel()].copy_(t.reshape(-1))
             off += t.numel()
-        if algo == "native":
-            native.all_reduce(g.torch_group, flat, rop)
-        elif algo == "hierarchical":
-            lookup("all_reduce", algo)(ctx, flat, rop, g.comm.node_size)
-        else:
-            lookup("all_reduce", algo)(ctx, flat, rop)
-        _finish_avg(flat, rop, g.size)
+        run(ctx, g, flat, rop)
+        finish_avg(flat, rop, g.size)
         off = 0
         for t in tensors:
             t.copy_(flat[off : off + t.numel()].view(t.shape))
             off += t.numel()
         return tensors
 
-    meta = _meta([t.shape for t in tensors], dtype, algo, redop=rop.value)
+    meta = call_meta([t.shape for t in tensors], dtype, algo, redop=rop.value)
     return runner.run(g, "all_reduce_coalesced", meta, body, async_op, nbytes)

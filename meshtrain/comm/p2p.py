@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CollectiveTimeout
-from .collectives import _check_tensor, _group
+from .call import check_tensor, resolve_group
 from .communicator import Group
 from .runner import p2p_tag
 from .transport.base import PeerTimeout
@@ -43,9 +43,9 @@ class _TimedWork(Work):
 def _prep(tensor: torch.Tensor, peer: int | None, group: Group | None, tag: int, what: str,
           group_peer: int | None = None) -> tuple[Group, int, int]:
     """(group, transport tag, global peer rank) of a send/recv, or the error that names the fix."""
-    g = _group(group)
+    g = resolve_group(group)
     peer = _peer(g, peer, group_peer, "dst" if what == "send" else "src")
-    check_dtype(_check_tensor(tensor).dtype)
+    check_dtype(check_tensor(tensor).dtype)
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
     g.check_root(peer, "peer rank")
@@ -99,7 +99,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = Non
          group_src: int | None = None) -> int:
     """Receive into ``tensor`` from global rank ``src`` (or ``group_src`` of ``group``); returns the
     sender's global rank like torch.distributed."""
-    g = _group(group)
+    g = resolve_group(group)
     src = _peer(g, src, group_src, "src")
     irecv(tensor, src, g, tag).wait()
     return src

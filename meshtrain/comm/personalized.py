@@ -7,100 +7,69 @@ from typing import Any
 import torch
 
 from . import runner
-from .algorithms import REGISTRY, native, tree
+from .algorithms import implementation
 from .algorithms.base import Ctx
 from .transport.base import capabilities
-from .collectives import _algorithm, _check_list, _check_tensor, _group, _meta
+from .call import call_meta, check_list, check_tensor, choose_algorithm, resolve_group
 from .communicator import Group
 from .types import check_dtype
 from .work import Work
 
 
-def _blocks(ctx: Ctx, algo: str, root: int, n: int, dtype: torch.dtype,
-            device: torch.device) -> tuple[torch.Tensor, Any]:
-    """Scratch of p blocks on ``device``; ``pos(i)`` is where rank i's block lives (root-relative
-    for 'tree')."""
-    buf = ctx.scratch("personal", n * ctx.size, dtype, device)
-    if algo == "tree":
-        return buf, lambda i: (i - root) % ctx.size
-    return buf, lambda i: i
-
-
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
            group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``gather_list[i]`` on global rank ``dst`` receives rank i's ``tensor``."""
-    g = _group(group)
-    check_dtype(_check_tensor(tensor).dtype)
+    g = resolve_group(group)
+    check_dtype(check_tensor(tensor).dtype)
     root = g.check_root(dst, "dst")
     if g.rank == root:
-        _check_list(gather_list, g, tensor, "gather_list")
+        check_list(gather_list, g, tensor, "gather_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = _algorithm(g, "gather", algorithm, nbytes)
+    algo = choose_algorithm(g, "gather", algorithm, nbytes)
+    run = implementation("gather", algo)
 
     def body(ctx: Ctx) -> Any:
-        if algo == "native":
-            native.gather(g.torch_group, g.ranks, tensor.contiguous(), gather_list if ctx.rank == root else None, dst)
-            return gather_list
-        n = tensor.numel()
-        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype, tensor.device)
-        me = pos(ctx.rank)
-        buf[me * n : (me + 1) * n].copy_(tensor.reshape(-1))
-        (tree.gather if algo == "tree" else REGISTRY["gather"][algo])(ctx, buf, root)
-        if ctx.rank == root:
-            for i, o in enumerate(gather_list):
-                o.copy_(buf[pos(i) * n : (pos(i) + 1) * n].view(o.shape))
+        run(ctx, g, tensor, gather_list, root, dst)
         return gather_list
 
-    return runner.run(g, "gather", _meta([tensor.shape], tensor.dtype, algo, root=dst), body, async_op, nbytes)
+    return runner.run(g, "gather", call_meta([tensor.shape], tensor.dtype, algo, root=dst), body, async_op, nbytes)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
             group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``tensor`` on rank i receives ``scatter_list[i]`` of global rank ``src``."""
-    g = _group(group)
-    check_dtype(_check_tensor(tensor).dtype)
+    g = resolve_group(group)
+    check_dtype(check_tensor(tensor).dtype)
     root = g.check_root(src, "src")
     if g.rank == root:
-        _check_list(scatter_list, g, tensor, "scatter_list")
+        check_list(scatter_list, g, tensor, "scatter_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = _algorithm(g, "scatter", algorithm, nbytes)
+    algo = choose_algorithm(g, "scatter", algorithm, nbytes)
+    run = implementation("scatter", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
-        if algo == "native":
-            out = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            native.scatter(g.torch_group, g.ranks, out,
-                           [t.contiguous() for t in scatter_list] if ctx.rank == root else None, src)
-            if out is not tensor:
-                tensor.copy_(out)
-            return tensor
-        n = tensor.numel()
-        buf, pos = _blocks(ctx, algo, root, n, tensor.dtype, tensor.device)
-        if ctx.rank == root:
-            for i, t in enumerate(scatter_list):
-                buf[pos(i) * n : (pos(i) + 1) * n].copy_(t.reshape(-1))
-        (tree.scatter if algo == "tree" else REGISTRY["scatter"][algo])(ctx, buf, root)
-        me = pos(ctx.rank)
-        tensor.copy_(buf[me * n : (me + 1) * n].view(tensor.shape))
+        run(ctx, g, tensor, scatter_list, root, src)
         return tensor
 
-    return runner.run(g, "scatter", _meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
+    return runner.run(g, "scatter", call_meta([tensor.shape], tensor.dtype, algo, root=src), body, async_op, nbytes)
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
                group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``output_tensor_list[j]`` on rank i receives ``input_tensor_list[i]`` of rank j (sizes may differ)."""
-    g = _group(group)
+    g = resolve_group(group)
     for name, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
         if not isinstance(lst, (list, tuple)) or len(lst) != g.size:
             raise ValueError(f"{name} must be a list of {g.size} tensors (the group size)")
         for i, t in enumerate(lst):
-            check_dtype(_check_tensor(t, f"{name}[{i}]").dtype)
+            check_dtype(check_tensor(t, f"{name}[{i}]").dtype)
     dtypes = {t.dtype for t in list(output_tensor_list) + list(input_tensor_list)}
     if len(dtypes) > 1:
         raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes))}")
     dtype = input_tensor_list[0].dtype
     nbytes = sum(t.numel() * t.element_size() for t in input_tensor_list)
-    algo = _algorithm(g, "all_to_all", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_to_all", algorithm, nbytes)
+    run = implementation("all_to_all", algo)
     # Pairwise sizes are checked by the metadata exchange: rank i's send to j must equal j's recv from i.
     sends = [t.numel() for t in input_tensor_list]
     recvs = [t.numel() for t in output_tensor_list]
@@ -108,15 +77,12 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     def body(ctx: Ctx) -> list[torch.Tensor]:
         ins = [t.contiguous().view(-1) for t in input_tensor_list]
         outs = [torch.empty(t.numel(), dtype=t.dtype, device=t.device) for t in output_tensor_list]
-        if algo == "native":
-            native.all_to_all(g.torch_group, g.ranks, outs, ins)
-        else:
-            REGISTRY["all_to_all"][algo](ctx, ins, outs)
+        run(ctx, g, outs, ins)
         for o, t in zip(outs, output_tensor_list):
             t.copy_(o.view(t.shape))
         return output_tensor_list
 
-    meta = _meta([], dtype, algo)
+    meta = call_meta([], dtype, algo)
     return runner.run(g, "all_to_all", meta, body, async_op, nbytes, pairwise=(sends, recvs))
 
 
@@ -146,9 +112,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     ``input_split_sizes`` (None: equal parts), part j goes to rank j, and ``output`` receives the
     parts of every rank in group order, cut by ``output_split_sizes``; in place in ``output``.
     Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]`` (checked)."""
-    g = _group(group)
-    _check_tensor(output, "output")
-    _check_tensor(input, "input")
+    g = resolve_group(group)
+    check_tensor(output, "output")
+    check_tensor(input, "input")
     if output.dtype != input.dtype:
         raise ValueError(f"all_to_all_single: output is {output.dtype} but input is {input.dtype}; "
                          "both must have one dtype")
@@ -166,9 +132,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Block until every rank of the group has called barrier (``device_ids``: accepted for
     torch.distributed's signature; meshtrain needs no device to synchronise)."""
-    g = _group(group)
-    if capabilities(g.comm.transport).native_collectives and not g.comm.check:
-        return runner.run(g, "barrier", _meta([], torch.float32, "native"),
-                          lambda ctx: native.barrier(g.torch_group), async_op, 0)
-    return runner.run(g, "barrier", _meta([], torch.float32, "direct"), lambda ctx: None, async_op, 0,
-                      force_exchange=True)
+    g = resolve_group(group)
+    # torch's own barrier where the transport has one and no metadata exchange is wanted; else
+    # the runner's forced metadata exchange is the barrier (the "direct" entry does nothing).
+    native = capabilities(g.comm.transport).native_collectives and not g.comm.check
+    algo = "native" if native else "direct"
+    run = implementation("barrier", algo)
+    return runner.run(g, "barrier", call_meta([], torch.float32, algo), lambda ctx: run(ctx, g), async_op, 0,
+                      force_exchange=not native)

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from ..errors import CollectiveTimeout
-from .collectives import _group
+from .call import resolve_group
 from .communicator import Group
 from .transport.base import PeerTimeout, on_shared_memory
 
@@ -24,7 +24,7 @@ def symmetric_empty(size: int | Sequence[int], dtype: torch.dtype = torch.float3
     transport, or for a group of one, it is a plain ``torch.empty``, so callers need no branch;
     so it is, with a ``RuntimeWarning``, when /dev/shm has no room for every member's tensor.
     """
-    g = _group(group)
+    g = resolve_group(group)
     shape = (size,) if isinstance(size, int) else tuple(size)
     numel = 1
     for s in shape:

@@ -16,26 +16,51 @@ from __future__ import annotations
 
 import struct
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from ...errors import CollectiveMismatch
+from ..work import Work
 from . import shm_memory as mem
 from .base import PeerTimeout
-
-if TYPE_CHECKING:
-    from .shm import ShmTransport
 
 STEP, GEN, OPENED, EXCH, WAITING, FPRINT = 0, 8, 16, 24, 32, 40  # int64 indices, a cache line apart
 BOARD_AT, BOARD_BYTES = 4096, 8192  # two halves after the counters: the exchange board
 CTRL_BYTES = BOARD_AT + 2 * BOARD_BYTES
 
 
+class AreaHost(Protocol):
+    """What the shared buffers need from the transport of their members (``ShmTransport``)."""
+
+    rank: int
+    pids: list[int]
+    """The process id of every global rank (segment names carry the owner's pid)."""
+    round: int
+    """The transport's rendezvous round (in segment names: a second transport of one process
+    never meets the first one's segments)."""
+
+    def poll(self) -> bool:
+        """Move this rank's queued point-to-point messages; True if any moved."""
+        ...
+
+    def check_alive(self, ranks: Sequence[int], what: str) -> None:
+        """Raise if a rank of ``ranks`` is gone while this rank waits for ``what``."""
+        ...
+
+    def send_exchange(self, key: str, peers: Sequence[int], data: bytes) -> list[Work]:
+        """Send an exchange payload too large for the board to ``peers`` as messages."""
+        ...
+
+    def recv_exchange(self, key: str, src: int, deadline: float) -> bytes:
+        """Receive what ``send_exchange`` of rank ``src`` sent for ``key``."""
+        ...
+
+
 class ShmArea:
     """The shared buffers of the group ``ranks`` (global ranks, all on this host)."""
 
-    def __init__(self, t: "ShmTransport", ranks: list[int], key: str, deadline: float) -> None:
+    def __init__(self, t: AreaHost, ranks: list[int], key: str, deadline: float) -> None:
         self.t, self.ranks, self.key = t, ranks, key
         self.me = ranks.index(t.rank)
         self.others = [k for k in range(len(ranks)) if k != self.me]
@@ -82,7 +107,7 @@ class ShmArea:
 
     def _poll_peer(self, k: int, deadline: float) -> None:
         r = self.ranks[k]
-        self.t._check_alive([r], "its shared buffers")
+        self.t.check_alive([r], "its shared buffers")
         if time.monotonic() > deadline:
             raise PeerTimeout(f"rank {r} never created its shared buffers for this group", [r])
         time.sleep(0.0005)
@@ -192,7 +217,7 @@ class ShmArea:
 
         def check() -> None:
             self.t.poll()  # queued point-to-point sends of this rank keep moving
-            self.t._check_alive(behind(), f"{what} (step {target} of group {self.ranks})")
+            self.t.check_alive(behind(), f"{what} (step {target} of group {self.ranks})")
 
         mine = self.ctrl[self.me]
 
@@ -214,8 +239,6 @@ class ShmArea:
         """All-gather short strings through the board: one write, one wait, p-1 reads. Each entry
         is (key length, key, payload); a payload that does not fit is marked (length -1) and sent
         as a point-to-point message instead."""
-        from .shm import exchange_by_messages
-
         e = self.exchanges = self.exchanges + 1
         if e >= 3:  # my half e % 2 was last read in exchange e - 2, by peers now past e - 1
             self.wait_all(e - 1, deadline, f"the exchange before {key!r}", index=EXCH)
@@ -224,7 +247,7 @@ class ShmArea:
         at = BOARD_AT + (e % 2) * BOARD_BYTES
         own = self._ctrl_segs[self.me].mm
         fits = len(data) + 8 <= BOARD_BYTES
-        big = [] if fits else exchange_by_messages(self.t, key, [self.ranks[k] for k in self.others], data)
+        big = [] if fits else self.t.send_exchange(key, [self.ranks[k] for k in self.others], data)
         own[at : at + 8 + (len(data) if fits else 0)] = struct.pack("<q", len(data) if fits else -1) + (
             data if fits else b"")
         self.publish(EXCH, e)

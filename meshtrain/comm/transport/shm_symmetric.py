@@ -14,27 +14,36 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from . import shm_memory as mem
-
-if TYPE_CHECKING:
-    from .shm import ShmTransport
-    from .shm_area import ShmArea
+from .shm_area import ShmArea
 
 
 HEADROOM_BYTES = 16 << 20  # left free for the staging buffers and slots of groups made later
 
 
+class SymmetricHost(Protocol):
+    """What symmetric allocations need from the transport of their members (``ShmTransport``)."""
+
+    def exchange(self, key: str, ranks: Sequence[int], payload: str, timeout: float) -> list[str]:
+        """All-gather ``payload`` among ``ranks``."""
+        ...
+
+    def area(self, ranks: Sequence[int], name: str, deadline: float) -> ShmArea:
+        """The shared buffers of ``ranks`` named ``name``, made collectively on first use."""
+        ...
+
+
 class SymmetricRegistry:
     """The symmetric allocations of one process, per group (kept on the shm transport)."""
 
-    def __init__(self, t: "ShmTransport") -> None:
+    def __init__(self, t: SymmetricHost) -> None:
         self.t = t
         self.count: dict[tuple[int, ...], int] = {}
-        self.allocs: list[tuple[tuple[int, ...], int, int, "ShmArea"]] = []  # ranks, address, bytes, area
+        self.allocs: list[tuple[tuple[int, ...], int, int, ShmArea]] = []  # ranks, address, bytes, area
 
     def allocate(self, ranks: Sequence[int], numel: int, dtype: torch.dtype,
                  deadline: float) -> torch.Tensor | None:
@@ -68,7 +77,7 @@ class SymmetricRegistry:
         self.allocs.append((key, tensor.data_ptr(), nbytes, area))
         return tensor
 
-    def find(self, tensor: torch.Tensor, ranks: Sequence[int]) -> tuple["ShmArea", int] | None:
+    def find(self, tensor: torch.Tensor, ranks: Sequence[int]) -> tuple[ShmArea, int] | None:
         """(area, byte offset) if contiguous ``tensor`` lies inside a symmetric allocation of
         ``ranks``; None otherwise."""
         if not self.allocs or not tensor.is_contiguous():

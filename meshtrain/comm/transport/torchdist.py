@@ -1,9 +1,9 @@
 """A torch.distributed ProcessGroup (gloo on CPU, NCCL on GPU) as a meshtrain transport.
 
 Point-to-point goes through the group's own send/recv (gloo matches same-tag messages in order).
-``exchange`` goes through the group's TCPStore: each rank sets one key and reads everyone's with one
-blocking multi_get, so a timeout can name exactly the ranks whose key is absent. Each rank deletes
-its previous key once everyone has posted the next one (3 round trips per exchange).
+``exchange`` goes through the group's TCPStore (``rendezvous.store_all_gather``: one key per rank,
+one blocking multi_get, a timeout names the ranks whose key is absent). Each rank deletes its
+previous key once everyone has posted the next one (3 round trips per exchange).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ...errors import CollectiveError
 from ..work import Work
 from .base import PeerTimeout, Transport
+from .rendezvous import set_store_timeout, store_all_gather
 
 _FOREVER = datetime.timedelta(days=365)
 
@@ -101,22 +102,13 @@ class TorchTransport(Transport):
         """All-gather ``payload`` through the store. ``defer_delete`` leaves the previous key's
         deletion (a round trip) to ``delete_stale``: the check beside a native op
         (runner._native_checked_beside) deletes after its verdict, off the op's critical path."""
-        keys = [f"x/{key}/{r}" for r in ranks]
         own = f"x/{key}/{self.rank}"
         try:
-            self.store.set(own, payload)
-            if self._store_timeout != timeout:  # a local setter, no round trip
-                self.store.set_timeout(datetime.timedelta(seconds=max(timeout, 0.001)))
+            if self._store_timeout != timeout:
+                set_store_timeout(self.store, timeout)
                 self._store_timeout = timeout
-            try:
-                with self.while_blocked():
-                    raw = self.store.multi_get(keys)  # waits for every key: one round trip, not two
-            except Exception as exc:  # DistStoreError on timeout
-                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                    raise
-                missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
-                raise PeerTimeout(f"ranks {missing} never arrived", missing, never_arrived=True) from None
-            values = [v.decode() for v in raw]
+            values = store_all_gather(self.store, f"x/{key}", self.rank, ranks, payload,
+                                      blocked=self.while_blocked)
             # Once everyone posted this key, everyone has finished reading the previous one.
             group_prefix = key.rsplit("/", 1)[0]
             prev = self._last_key.get(group_prefix)
