@@ -93,9 +93,9 @@ def check_algorithm(algorithm: str, kinds: typing.Iterable[str], where: str) -> 
     valid = ["auto"] + training_algorithms(kinds)
     if algorithm in valid:
         return
-    from ..comm.algorithms import REGISTRY
+    from ..comm.algorithms import TABLE  # every (operation, algorithm) the library runs
 
-    if algorithm not in {a for names in REGISTRY.values() for a in names} | {"native", "shm"}:
+    if algorithm not in {name for _, name in TABLE}:
         raise unknown(algorithm, valid, "comm.algorithm")
     needs = {"native": " ('native' needs the torch transport: comm.transport = 'torch', or 'auto' with nccl)",
              "shm": " ('shm' needs the shm transport: comm.transport = 'shm', or 'auto' without nccl)"
