@@ -175,7 +175,8 @@ def this_host(peak: float | None = None) -> Cluster:
     host_peak = peak if peak is not None else measure_cpu_peak(512, 5)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     level = Level(model.alpha, 1.0 / model.beta)
-    return Cluster(name="this-host", gpus_per_node=1 << 20, memory_bytes=float(ram), peak_flops=host_peak,
+    # one node holding every rank: 720720 = lcm(1..16), so any degree up to 16 divides it
+    return Cluster(name="this-host", gpus_per_node=720720, memory_bytes=float(ram), peak_flops=host_peak,
                    fp32_flops=host_peak, hbm_bandwidth=10e9, intra=level, inter=level,
                    matmul_efficiency=0.8, attention_efficiency=0.3, hbm_efficiency=0.5,
                    eager_elementwise_passes=3.0, reserved_bytes=1 * GiB, backend="host",

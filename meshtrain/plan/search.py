@@ -28,10 +28,13 @@ def _microbatch_choices(local: int, pp: int, interleaved: bool) -> list[int]:
     bubble), and the fewest and a middle one that a schedule on ``pp`` stages accepts."""
     if pp == 1:
         return sorted({1, local})
-    ok = [m for m in _divisors(local) if m >= pp and (not interleaved or m % pp == 0)]
-    if not ok:
+    # one micro-batch per sequence has the smallest bubble; more than 8 per stage otherwise buys
+    # under 1/9 of the bubble back and the simulator's work grows with m
+    valid = [m for m in _divisors(local) if m >= pp and (not interleaved or m % pp == 0)]
+    if not valid:
         return []
-    return sorted({ok[-1], ok[0], ok[len(ok) // 2]})
+    capped = [m for m in valid if m <= 8 * pp] or valid[:1]
+    return sorted({capped[0], capped[len(capped) // 2], capped[-1], valid[-1]})
 
 
 def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int,
@@ -39,7 +42,7 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
     """Every layout the search prices (activation checkpointing left to ``search``)."""
     base = Layout(**{k: v for k, v in fixed.items() if k != "ac"})
     for tp in _divisors(gpus):
-        if tp > cluster.gpus_per_node or arch.n_heads % tp or (arch.n_kv_heads % tp and tp % arch.n_kv_heads):
+        if cluster.gpus_per_node % tp or arch.n_heads % tp or (arch.n_kv_heads % tp and tp % arch.n_kv_heads):
             continue
         for cp in (c for c in _divisors(gpus // tp) if c <= 16 and seq % c == 0):
             for pp in (p for p in _divisors(gpus // tp // cp) if p <= min(arch.n_layers, 64)):
