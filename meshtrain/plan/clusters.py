@@ -68,6 +68,9 @@ class Cluster:
     """True for a CPU host: the ranks share memory_bytes and its cores (peak_flops is the host's)."""
     cores: int = 0
     """CPU cores of a host (0 for GPUs)."""
+    reduce_gamma: float = 0.0
+    """Seconds per byte reduced on top of moving it: 0 for NCCL, whose kernels reduce in the same pass
+    that moves the data (nccl-tests' bus bandwidth already includes it); the cost model's gamma on a host."""
     notes: str = ""
 
     def per_rank_peak(self, world: int, precision: str) -> float:
@@ -180,7 +183,7 @@ def this_host(peak: float | None = None) -> Cluster:
                    fp32_flops=host_peak, hbm_bandwidth=10e9, intra=level, inter=level,
                    matmul_efficiency=0.8, attention_efficiency=0.3, hbm_efficiency=0.5,
                    eager_elementwise_passes=3.0, reserved_bytes=1 * GiB, backend="host",
-                   memory_shared=True, cores=cores, notes=f"this host, cost model {model.source}")
+                   memory_shared=True, cores=cores, reduce_gamma=model.gamma, notes=f"this host, cost model {model.source}")
 
 
 def resolve_cluster(spec: str) -> Cluster:

@@ -52,8 +52,7 @@ def group_of(layout: Layout, cluster: Cluster, dims: tuple[str, ...]) -> Group:
 
 
 def _model(level: Level, cluster: Cluster) -> CostModel:
-    # reductions run in the collective's kernel at memory speed (GPU) or on the host's cores
-    return level.cost_model(gamma=1.0 / cluster.hbm_bandwidth)
+    return level.cost_model(gamma=cluster.reduce_gamma)
 
 
 def _flat(op: str, nbytes: float, p: int, model: CostModel) -> tuple[float, str]:
