@@ -89,6 +89,11 @@ def parse_layout(text: str, **defaults) -> Layout:
     return Layout(**values)
 
 
+def tp_splits(arch: Arch, tp: int) -> bool:
+    """True if tp splits the heads, the kv heads and the MLP width evenly (as meshtrain requires)."""
+    return arch.n_heads % tp == 0 and arch.n_kv_heads % tp == 0 and arch.ffn_dim % tp == 0
+
+
 def _nearest_dp(layout: Layout, gpus: int) -> str:
     """The nearest layout that fills ``gpus``: change dp if the other degrees divide gpus, else tp=1."""
     rest = layout.tp * layout.pp * layout.cp
@@ -114,8 +119,8 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         raise ConfigError(f"zero_stage={layout.zero_stage}: use 0, 1, 2 or 3")
     if layout.schedule not in SCHEDULES:
         raise ConfigError(f"schedule={layout.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    if arch.n_heads % layout.tp or (arch.n_kv_heads % layout.tp and layout.tp % arch.n_kv_heads):
-        ok = [t for t in range(1, arch.n_heads + 1) if arch.n_heads % t == 0 and arch.n_kv_heads % t == 0]
+    if not tp_splits(arch, layout.tp):  # meshtrain's check_tensor_parallel: heads, kv heads, MLP split evenly
+        ok = [t for t in range(1, arch.n_kv_heads + 1) if tp_splits(arch, t)]
         raise ConfigError(f"tp={layout.tp} does not split {arch.n_heads} heads / {arch.n_kv_heads} kv heads; "
                           f"valid tp: {ok}")
     if layout.pp * layout.virtual > arch.n_layers:

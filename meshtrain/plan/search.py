@@ -15,7 +15,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from .architectures import Arch
 from .clusters import Cluster
-from .layout import AC_MODES, Layout
+from .layout import AC_MODES, Layout, tp_splits
 from .step import Prediction, predict
 
 
@@ -42,7 +42,7 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
     """Every layout the search prices (activation checkpointing left to ``search``)."""
     base = Layout(**{k: v for k, v in fixed.items() if k != "ac"})
     for tp in _divisors(gpus):
-        if cluster.gpus_per_node % tp or arch.n_heads % tp or (arch.n_kv_heads % tp and tp % arch.n_kv_heads):
+        if cluster.gpus_per_node % tp or not tp_splits(arch, tp):
             continue
         for cp in (c for c in _divisors(gpus // tp) if c <= 16 and seq % c == 0):
             for pp in (p for p in _divisors(gpus // tp // cp) if p <= min(arch.n_layers, 64)):
