@@ -92,3 +92,21 @@ def check(run: PublishedRun, with_search: bool = True) -> dict:
         row.update(search_layout=best.layout.label(), search_value=metric_of(best, run.metric),
                    search_fits=best.fits, search_at_least_published=best.step_time <= pred.step_time * (1 + 1e-9))
     return row
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as the table in docs/plan.md."""
+    def fmt(metric: str, v: float) -> str:
+        return f"{v * 100:.1f}% MFU" if metric == "mfu" else f"{v:,.0f} tok/s/GPU"
+
+    out = ["| run | published | predicted | error | peak GiB/rank (fits) | --search first | its prediction |",
+           "|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        out.append(f"| {r['run']} | {fmt(r['metric'], r['published'])} | {fmt(r['metric'], r['predicted'])} | "
+                   f"{r['error'] * 100:+.0f}% | {r['memory_gib']:.0f} ({'yes' if r['fits'] else 'no'}) | "
+                   f"`{r.get('search_layout', '-')}` | {fmt(r['metric'], r.get('search_value', float('nan')))} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m meshtrain.plan.published: regenerate the docs table
+    print(markdown([check(run) for run in RUNS]))
