@@ -20,7 +20,7 @@ from ..parallel.pipeline.schedule import bubble_fraction, build_schedule, simula
 from .architectures import Arch
 from .clusters import Cluster
 from .collectives import collective, group_of, p2p
-from .compute import ACT_BYTES, model_flops_per_token, stage_compute
+from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
 from .memory import GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
 
@@ -98,7 +98,6 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     if layout.cp > 1:
         same = group_of(layout, cluster, ("cp",)).nodes == 1
         kv = tokens * 2 * arch.kv_dim / min(layout.tp, arch.n_kv_heads) * act
-        from .compute import layer_forward_parts
         _, attn, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
         step_f, step_b = p2p(kv, same, cluster), p2p(2 * kv, same, cluster)
         cp_f = sc.layers * (layout.cp - 1) * max(0.0, step_f - attn / layout.cp)
@@ -136,7 +135,7 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     return Prediction(layout, step, parts, mem, cluster.memory_per_rank(layout.world), tok, mfu, algos)
 
 
-def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc, f: float, b: float,
+def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,
                    algos: dict[str, str]) -> tuple[float, float]:
     """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates)."""
     shard = layout.dp * layout.cp
