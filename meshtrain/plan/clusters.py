@@ -170,12 +170,15 @@ def _cached_cost_model() -> CostModel:
 
 def this_host(peak: float | None = None) -> Cluster:
     """This machine as a cluster of CPU ranks: the calibrated cost model (or the default) for both
-    levels, the measured matmul peak (``measure_cpu_peak``, all cores), its RAM shared by the ranks."""
-    from ..train.metrics import measure_cpu_peak
+    levels, the measured matmul peak (``measure_cpu_peak`` over all cores, through ``device_peak``,
+    which keeps the highest figure seen: a busy moment reads low), its RAM shared by the ranks."""
+    import torch
+
+    from ..train.metrics import device_peak
 
     model = _cached_cost_model()
     cores = os.cpu_count() or 1
-    host_peak = peak if peak is not None else measure_cpu_peak(512, 5)
+    host_peak = peak if peak is not None else device_peak(torch.device("cpu"))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     level = Level(model.alpha, 1.0 / model.beta)
     # one node holding every rank: 720720 = lcm(1..16), so any degree up to 16 divides it

@@ -3,8 +3,8 @@
 For each (tp, cp, pp, dp) that divides the GPUs (tp inside a node and splitting the heads, cp
 dividing the sequence, pp at most the layers, dp dividing the batch), a few micro-batch counts,
 the pipeline schedules and every ZeRO stage are tried; activation checkpointing is the least
-recomputation that fits (none, op, selective, full: each saves memory at more compute), unless the
-caller fixed it. Settings the caller fixes (precision, ac, zero stage, schedule) are kept.
+recomputation that fits (none, selective, full: each saves memory at more compute; torchtitan's
+"op" only when asked), unless the caller fixed it. Settings the caller fixes (precision, ac, zero stage, schedule) are kept.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def search(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int,
     """The ``top`` fastest layouts that fit, fastest first; ConfigError (with the smallest peak
     memory seen and the GPUs that would need) if none fits."""
     fixed = dict(fixed or {})
-    acs = [fixed["ac"]] if "ac" in fixed else list(AC_MODES)
+    # "op" is torchtitan's selective op checkpointing, which meshtrain train does not offer: only
+    # priced when asked for (to compare with torchtitan's runs)
+    acs = [fixed["ac"]] if "ac" in fixed else [a for a in AC_MODES if a != "op"]
     found: list[Prediction] = []
     smallest: Prediction | None = None
     for layout in candidates(arch, cluster, gpus, global_batch, seq, fixed):

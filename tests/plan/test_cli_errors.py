@@ -93,3 +93,8 @@ def test_this_host_uses_the_calibration_cache(tmp_path, monkeypatch):
     assert c.intra.latency == 2e-5 and c.intra.bandwidth == pytest.approx(2e9) and c.backend == "host"
     # ranks share the host: each of 4 ranks on a host with fewer cores gets 1/4 of the peak
     assert c.per_rank_peak(max(4, c.cores), "bf16") == pytest.approx(1e11 / max(4, c.cores))
+
+
+def test_search_proposes_only_checkpointing_meshtrain_train_offers():
+    preds = search(ARCHS["llama3-8b"], PRESETS["h100"], 8, 16, 8192, top=50)
+    assert preds and {p.layout.ac for p in preds} <= {"none", "selective", "full"}
