@@ -117,3 +117,30 @@ def test_more_gpus_at_the_same_per_gpu_batch_keep_compute_and_shrink_zero3_state
     assert big.parts["optimizer"] == pytest.approx(small.parts["optimizer"] * 8 / 64)  # 1/dp of the update
     assert big.memory.total < small.memory.total
     assert 0 < small.mfu < 1 and math.isclose(sum(small.parts.values()), small.step_time, rel_tol=1e-9)
+
+
+def test_pipeline_sends_one_hidden_state_per_chunk_boundary_each_way():
+    a, m, v = ARCHS["llama3-8b"], 8, 2
+    layout = Layout(dp=1, tp=2, pp=4, microbatches=m, virtual=v, schedule="interleaved")
+    pred = predict(a, H100, layout, m, 4096)
+    # tp*pp = 8 ranks on one node: each send is NVLink latency + bytes / bandwidth, bytes = S*d/tp*2 (SP, bf16)
+    send = H100.intra.latency + 4096 * 4096 / 2 * 2 / H100.intra.bandwidth
+    assert pred.parts["pp"] == pytest.approx(m * 2 * v * send)
+
+
+def test_ring_attention_hides_behind_long_sequences_not_short_ones():
+    a = ARCHS["llama3-8b"]
+    long = predict(a, H100, Layout(dp=4, cp=2), 4, 32768)
+    short = predict(a, H100, Layout(dp=4, cp=2), 4 * 64, 512)
+    assert long.parts["cp"] == 0.0  # a step's K/V transfer is shorter than its attention
+    assert short.parts["cp"] > 0.0
+
+
+def test_afab_holds_m_microbatches_where_1f1b_holds_pp():
+    from meshtrain.plan.memory import activation_memory
+
+    a, pp, m = ARCHS["llama3-8b"], 4, 16
+    one = activation_memory(a, Layout(pp=pp, microbatches=m, schedule="1f1b"), 1, 1024)
+    all_ = activation_memory(a, Layout(pp=pp, microbatches=m, schedule="afab"), 1, 1024)
+    logits = 1024 * 2 * 4 * a.vocab_size  # held once, for the micro-batch in the loss
+    assert (all_ - logits) / (one - logits) == pytest.approx(m / pp)
