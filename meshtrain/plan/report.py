@@ -37,7 +37,7 @@ def chart(preds: list[Prediction], path: Path, title: str = "") -> Path:
     matplotlib.use("Agg")  # no display on training hosts
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(preds) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(preds) + 1.5))
     labels = [p.layout.label() for p in preds][::-1]
     left = [0.0] * len(preds)
     for part in PARTS:
@@ -46,7 +46,7 @@ def chart(preds: list[Prediction], path: Path, title: str = "") -> Path:
         left = [a + b for a, b in zip(left, widths)]
     ax.set_xlabel("seconds per step")
     ax.set_title(title or "predicted step time")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, not over them
     ax.tick_params(axis="y", labelsize="x-small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
