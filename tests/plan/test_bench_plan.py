@@ -12,8 +12,9 @@ def test_bench_has_at_least_twelve_pairs_of_distinct_layouts():
 
 
 def test_predicted_and_measured_step_and_memory_agree_in_magnitude(tmp_path):
-    # median of 4 steps after 2 warm-up ones; a factor of 20 either way, as other work shares the 2 cores
+    # the fastest of 4 steps after 2 warm-up ones (other work shares the 2 cores: a median once read
+    # 11x the prediction), within a factor of 20 either way
     row = compare("test", "dp=1", this_host(), steps=6, global_batch=4, seq=32, out=tmp_path / "run")
-    assert 1 / 20 < row["step_ratio"] < 20, row
+    assert 1 / 20 < row["best_step_ratio"] < 20, row
     # the resident set also holds the interpreter and torch, which the prediction leaves out
     assert 0 < row["predicted_mem_bytes"] < row["measured_mem_bytes"], row
