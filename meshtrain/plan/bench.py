@@ -91,7 +91,8 @@ def main(args: argparse.Namespace) -> int:
     cluster = this_host()
     print(f"# this-host: peak {cluster.peak_flops / 1e9:.1f} GFLOP/s over {cluster.cores} cores, {cluster.notes}")
     if not args.json:
-        print(f"{'model':<6} {'layout':<40} {'pred s':>8} {'meas s':>8} {'ratio':>6} {'pred MiB':>9} {'RSS MiB':>8}")
+        print(f"{'model':<6} {'layout':<40} {'pred s':>8} {'median s':>8} {'ratio':>6} {'best s':>8} {'ratio':>6} "
+              f"{'pred MiB':>9} {'RSS MiB':>8}")
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-plan-") as tmp:
         for i, (model, layout) in enumerate(PAIRS[:args.pairs]):
             row = compare(model, layout, cluster, args.steps, args.global_batch, args.seq, Path(tmp) / str(i))
@@ -100,5 +101,6 @@ def main(args: argparse.Namespace) -> int:
             else:
                 print(f"{row['model']:<6} {row['layout']:<40} {row['predicted_step_s']:>8.4f} "
                       f"{row['measured_step_s']:>8.4f} {row['step_ratio']:>6.2f} "
+                      f"{row['best_step_s']:>8.4f} {row['best_step_ratio']:>6.2f} "
                       f"{row['predicted_mem_bytes'] / 2**20:>9.0f} {row['measured_mem_bytes'] / 2**20:>8.0f}")
     return 0
