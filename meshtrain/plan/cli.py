@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .architectures import resolve_model
 from .clusters import resolve_cluster
-from .layout import AC_MODES, PRECISIONS, parse_layout
+from .layout import AC_MODES, PRECISIONS, Layout, parse_layout
 from .report import chart, table, to_json
 from .search import search
 from .step import predict
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> str:
     return to_json(preds, context) if args.json else table(preds)
 
 
-def _with_world(layout, gpus: int):
+def _with_world(layout: Layout, gpus: int) -> Layout:
     """The layout, checked against --gpus before anything else (the most common mistake)."""
     if layout.world != gpus:
         from .layout import _nearest_dp

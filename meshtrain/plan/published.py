@@ -100,6 +100,7 @@ def check(run: PublishedRun, with_search: bool = True) -> dict:
 def markdown(rows: list[dict]) -> str:
     """The rows as the table in docs/plan.md."""
     def fmt(metric: str, v: float) -> str:
+        """A metric value as the table shows it."""
         return f"{v * 100:.1f}% MFU" if metric == "mfu" else f"{v:,.0f} tok/s/GPU"
 
     out = ["| run | published | predicted | error | GiB/rank published | predicted (fits) | --search first | "
