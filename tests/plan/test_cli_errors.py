@@ -98,3 +98,14 @@ def test_this_host_uses_the_calibration_cache(tmp_path, monkeypatch):
 def test_search_proposes_only_checkpointing_meshtrain_train_offers():
     preds = search(ARCHS["llama3-8b"], PRESETS["h100"], 8, 16, 8192, top=50)
     assert preds and {p.layout.ac for p in preds} <= {"none", "selective", "full"}
+
+
+def test_json_model_config(tmp_path):
+    f = tmp_path / "tiny.json"
+    f.write_text(json.dumps({"dim": 512, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1376,
+                             "vocab_size": 1000}))
+    a = resolve_model(str(f))
+    assert (a.name, a.dim, a.n_layers, a.kv_dim) == ("tiny", 512, 6, 4 * 64)
+    f.write_text(json.dumps({"dim": 512, "layers": 6}))
+    with pytest.raises(ConfigError, match="unknown keys \\['layers'\\]"):
+        resolve_model(str(f))
