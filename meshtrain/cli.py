@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import compat as bench_compat
 
     bench_compat.add_arguments(compat)
+    from .plan import cli as plan_cli
+
+    plan_cli.add_arguments(sub.add_parser("plan", help="predict step time, memory and MFU of layouts; --search ranks them"))
+    from .plan import bench as plan_bench
+
+    plan_bench.add_arguments(bsub.add_parser("plan", help="the planner's predicted step time and memory vs "
+                                             "meshtrain train on this host"))
     launch = sub.add_parser("launch", help="write a Slurm sbatch script or a Kubeflow PyTorchJob for a config")
     from .train import launch_emit
 
@@ -107,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         from .train import hf_cli
 
         return hf_cli.main_export(args) if args.command == "export" else hf_cli.main_generate(args)
+    if args.command == "bench" and args.bench == "plan":
+        from .plan import bench as plan_bench
+
+        return plan_bench.main(args)
+    if args.command == "plan":
+        from .plan import cli as plan_cli
+
+        return plan_cli.main(args)
     if args.command == "launch":
         from .train import launch_emit
 

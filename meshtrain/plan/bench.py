@@ -1,0 +1,106 @@
+"""``meshtrain bench plan``: run ``meshtrain train`` briefly on (model, layout) pairs on this host
+and set the planner's predicted step time and peak memory beside the measured ones.
+
+Each pair runs as its own ``meshtrain train`` process tree (CPU ranks on this host); the measured
+step time is the median ``step_s`` of rank 0's ``metrics.jsonl`` after the first two steps (warm-up),
+the measured memory its ``peak_mem_bytes`` (the resident set's high-water mark, which also holds the
+Python interpreter and torch: the prediction holds only what training adds). The prediction uses
+the ``this-host`` cluster: the calibrated comm cost model and the measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from .architectures import resolve_model
+from .clusters import Cluster, this_host
+from .layout import parse_layout
+from .step import predict
+
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("test", "dp=1"), ("test", "dp=2"), ("test", "dp=2,zero=3"), ("test", "tp=2"), ("test", "dp=2,tp=2"),
+    ("test", "pp=2,m=2"), ("test", "cp=2"), ("5m", "dp=1"), ("5m", "dp=2,zero=1"), ("5m", "tp=2"),
+    ("5m", "pp=2,m=4,afab"), ("5m", "dp=2,ac=full"), ("10m", "dp=2"), ("10m", "tp=2,pp=2,m=2"),
+)
+"""Fourteen pairs of meshtrain presets and layouts of at most 4 ranks."""
+
+DATA = ["--data.max_bytes=300000", "--data.vocab_size=512", "--checkpoint.enabled=false", "--no-progress"]
+VOCAB = 512  # the trained tokenizer's vocabulary, which sets the model's (see DATA)
+
+
+def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq: int, out: Path) -> list[str]:
+    """The ``meshtrain train`` arguments that run ``layout_text`` (fp32 on the CPU)."""
+    lay = parse_layout(layout_text, precision="fp32")
+    ac = {"none": "none", "full": "full", "selective": "selective", "op": "selective"}[lay.ac]
+    return ["train", f"--out={out}", f"--model.preset={model}", f"--train.steps={steps}", "--train.warmup_steps=1",
+            f"--train.global_batch={global_batch}", f"--train.seq_len={seq}", "--train.precision=fp32",
+            "--train.device=cpu", f"--parallel.dp={lay.dp}", f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}",
+            f"--parallel.cp={lay.cp}", f"--parallel.zero_stage={lay.zero_stage}",
+            f"--parallel.microbatches={lay.microbatches}", f"--parallel.schedule={lay.schedule}",
+            f"--parallel.virtual_stages={lay.virtual}", f"--parallel.activation_checkpointing={ac}",
+            f"--parallel.sequence_parallel={'true' if lay.tp > 1 else 'false'}", *DATA]
+
+
+def measure(model: str, layout_text: str, steps: int, global_batch: int, seq: int, out: Path,
+            timeout: float = 600) -> dict:
+    """Run ``meshtrain train`` and return rank 0's median and fastest step seconds and peak memory bytes."""
+    cmd = [sys.executable, "-m", "meshtrain.cli", *train_args(layout_text, model, steps, global_batch, seq, out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"meshtrain train failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = records[2:] or records[-1:]  # the first steps warm up allocators and caches
+    return {"step_s": statistics.median(r["step_s"] for r in timed),
+            # the fastest step: what the machine does when nothing else runs (the cores are shared)
+            "best_step_s": min(r["step_s"] for r in timed),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+
+
+def compare(model: str, layout_text: str, cluster: Cluster, steps: int, global_batch: int, seq: int,
+            out: Path) -> dict:
+    """Predicted and measured step time and memory of one pair, with their ratios."""
+    arch = replace(resolve_model(model), vocab_size=VOCAB, tie_embeddings=False)
+    pred = predict(arch, cluster, parse_layout(layout_text, precision="fp32"), global_batch, seq)
+    got = measure(model, layout_text, steps, global_batch, seq, out)
+    return {"model": model, "layout": pred.layout.label(), "predicted_step_s": pred.step_time,
+            "measured_step_s": got["step_s"], "step_ratio": pred.step_time / got["step_s"],
+            "best_step_s": got["best_step_s"], "best_step_ratio": pred.step_time / got["best_step_s"],
+            "predicted_mem_bytes": pred.memory.total, "measured_mem_bytes": got["peak_mem_bytes"],
+            "mem_ratio": pred.memory.total / got["peak_mem_bytes"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``meshtrain bench plan`` options."""
+    parser.add_argument("--pairs", type=int, default=len(PAIRS), help="run the first N (model, layout) pairs")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per pair")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the pairs and print predicted vs measured."""
+    cluster = this_host()
+    print(f"# this-host: peak {cluster.peak_flops / 1e9:.1f} GFLOP/s over {cluster.cores} cores, {cluster.notes}")
+    if not args.json:
+        print(f"{'model':<6} {'layout':<40} {'pred s':>8} {'median s':>8} {'ratio':>6} {'best s':>8} {'ratio':>6} "
+              f"{'pred MiB':>9} {'RSS MiB':>8}")
+    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-plan-") as tmp:
+        for i, (model, layout) in enumerate(PAIRS[:args.pairs]):
+            row = compare(model, layout, cluster, args.steps, args.global_batch, args.seq, Path(tmp) / str(i))
+            if args.json:
+                print(json.dumps(row))
+            else:
+                print(f"{row['model']:<6} {row['layout']:<40} {row['predicted_step_s']:>8.4f} "
+                      f"{row['measured_step_s']:>8.4f} {row['step_ratio']:>6.2f} "
+                      f"{row['best_step_s']:>8.4f} {row['best_step_ratio']:>6.2f} "
+                      f"{row['predicted_mem_bytes'] / 2**20:>9.0f} {row['measured_mem_bytes'] / 2**20:>8.0f}")
+    return 0

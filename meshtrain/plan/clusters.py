@@ -1,0 +1,203 @@
+"""Clusters the planner prices layouts on: GPU presets (datasheet numbers plus one set of
+efficiency constants each), a TOML file for any other, and ``this-host`` (calibrated here).
+
+Two link levels: ``intra`` (inside a node: NVLink, or shared memory) and ``inter`` (between nodes:
+InfiniBand / RoCE, one NIC per GPU). Each level is an alpha-beta link: ``latency`` seconds per
+message and ``bandwidth`` bytes/s per GPU, the *bus bandwidth* nccl-tests reports (for an all-reduce
+busbw = algbw * 2(p-1)/p), so a ring all-reduce of n bytes costs n * 2(p-1)/p / bandwidth.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import tomllib
+from dataclasses import MISSING, dataclass, fields, replace
+from pathlib import Path
+
+from ..comm.select import DEFAULTS, CostModel, cache_path
+from ..errors import ConfigError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Level:
+    """One link level: per-message latency (s) and per-GPU bus bandwidth (bytes/s)."""
+
+    latency: float
+    bandwidth: float
+
+    def cost_model(self, gamma: float) -> CostModel:
+        """This level as the comm library's alpha-beta-gamma model (gamma: seconds per byte reduced)."""
+        return CostModel(self.latency, 1.0 / self.bandwidth, gamma, source="plan")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware of one cluster and the efficiencies the roofline applies to it."""
+
+    name: str
+    gpus_per_node: int
+    memory_bytes: float
+    """Device memory of one GPU (bytes)."""
+    peak_flops: float
+    """Dense bf16 matmul peak of one GPU (FLOP/s); MFU is reported against it."""
+    fp32_flops: float
+    """Dense fp32 matmul peak (FLOP/s): meshtrain's "fp32" precision runs matmuls in fp32."""
+    hbm_bandwidth: float
+    """Device memory bandwidth (bytes/s): the roof of element-wise ops."""
+    intra: Level
+    inter: Level
+    matmul_efficiency: float = 0.7
+    """Fraction of peak that large matmuls reach."""
+    attention_efficiency: float = 0.5
+    """Fraction of peak that fused (flash) attention reaches."""
+    hbm_efficiency: float = 0.7
+    """Fraction of hbm_bandwidth that element-wise kernels reach."""
+    fp8_speedup: float = 1.0
+    """Speed-up of the linear layers' matmuls under float8 (1.0: the GPU has no fp8)."""
+    eager_elementwise_passes: float = 3.0
+    """How many times more memory traffic eager element-wise ops move than fused (compiled) ones."""
+    reserved_bytes: float = 2 * GiB
+    """Memory not available to tensors: CUDA context, allocator fragmentation, NCCL buffers."""
+    backend: str = "nccl"
+    """"nccl" (auto takes NCCL's native collectives) or "host" (meshtrain's own algorithms)."""
+    memory_shared: bool = False
+    """True for a CPU host: the ranks share memory_bytes and its cores (peak_flops is the host's)."""
+    cores: int = 0
+    """CPU cores of a host (0 for GPUs)."""
+    reduce_gamma: float = 0.0
+    """Seconds per byte reduced on top of moving it: 0 for NCCL, whose kernels reduce in the same pass
+    that moves the data (nccl-tests' bus bandwidth already includes it); the cost model's gamma on a host."""
+    notes: str = ""
+
+    def per_rank_peak(self, world: int, precision: str) -> float:
+        """Matmul peak one rank gets (FLOP/s) at ``precision``; on a host the ranks share the cores."""
+        peak = self.fp32_flops if precision == "fp32" else self.peak_flops
+        if self.memory_shared:
+            return peak / max(world, self.cores, 1)
+        return peak
+
+    def memory_per_rank(self, world: int) -> float:
+        """Bytes one rank may use (a host's memory is shared by the ranks on it)."""
+        if self.memory_shared:
+            return (self.memory_bytes - self.reserved_bytes) / max(world, 1)
+        return self.memory_bytes - self.reserved_bytes
+
+
+def _gpu(name: str, **kw) -> Cluster:
+    return Cluster(name=name, **kw)
+
+
+PRESETS: dict[str, Cluster] = {
+    # H100 SXM5 80 GB, 700 W: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3;
+    # NVLink 4 (450 GB/s per direction; nccl-tests all-reduce busbw ~360 GB/s on 8 GPUs) and one
+    # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~45 GB/s achieved).
+    "h100": _gpu("h100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=989e12, fp32_flops=67e12,
+                 hbm_bandwidth=3.35e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
+                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6,
+                 notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
+    "h200": _gpu("h200", gpus_per_node=8, memory_bytes=141e9, peak_flops=989e12, fp32_flops=67e12,
+                 hbm_bandwidth=4.8e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
+                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6,
+                 notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
+    # A100 SXM4 80 GB: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s; NVLink 3 (~230 GB/s busbw) and one
+    # 200 Gb/s HDR NIC per GPU (~22.5 GB/s achieved). No fp8.
+    "a100": _gpu("a100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
+                 hbm_bandwidth=2.0e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
+                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.0,
+                 notes="A100 SXM4 80GB, NVLink 3 + 200G InfiniBand per GPU"),
+    # The hosts of torchtitan's published runs (Meta's Grand Teton): H100 with 96 GB of HBM2e at
+    # 2.4 TB/s, run at the default 500 W power limit (lower sustained clocks than the 700 W h100),
+    # 400 Gb/s RDMA per GPU.
+    "h100-gt500": _gpu("h100-gt500", gpus_per_node=8, memory_bytes=96 * GiB, peak_flops=989e12,
+                       fp32_flops=67e12, hbm_bandwidth=2.4e12, intra=Level(10e-6, 360e9),
+                       inter=Level(20e-6, 45e9), matmul_efficiency=0.55, attention_efficiency=0.4,
+                       fp8_speedup=1.6, notes="Grand Teton H100 96GB HBM2e at 500 W"),
+}
+
+
+def known_clusters() -> list[str]:
+    """Every cluster name ``resolve_cluster`` accepts besides a TOML path."""
+    return sorted(PRESETS) + ["this-host"]
+
+
+def _level(raw: dict, where: str) -> Level:
+    try:
+        return Level(float(raw["latency"]), float(raw["bandwidth"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: needs numeric latency (s) and bandwidth (bytes/s): {e}") from e
+
+
+def load_toml(path: Path) -> Cluster:
+    """A cluster from a TOML file: top-level Cluster fields, ``[intra]`` and ``[inter]`` tables with
+    ``latency`` and ``bandwidth``; an optional ``base = "h100"`` fills the fields not given."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--cluster {path}: cannot read TOML ({e})") from e
+    base_name = raw.pop("base", None)
+    allowed = {f.name for f in fields(Cluster)}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"--cluster {path}: unknown keys {unknown}; use {sorted(allowed)}")
+    for lvl in ("intra", "inter"):
+        if lvl in raw:
+            raw[lvl] = _level(raw[lvl], f"--cluster {path} [{lvl}]")
+    raw.setdefault("name", path.stem)
+    if base_name is not None:
+        return replace(resolve_cluster(base_name), **raw)
+    missing = sorted(f.name for f in fields(Cluster) if f.name not in raw and f.default is MISSING)
+    if missing:
+        raise ConfigError(f"--cluster {path}: missing {missing} (or set base = \"h100\" to start from a preset)")
+    return Cluster(**raw)
+
+
+def _cached_cost_model() -> CostModel:
+    """The shm transport's model from ``meshtrain bench comm --calibrate``'s cache, else the default."""
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        data = {}
+    for key, value in sorted(data.items()):
+        if key.startswith("shm"):
+            return CostModel(**value)
+    return DEFAULTS["shm"]
+
+
+def this_host(peak: float | None = None) -> Cluster:
+    """This machine as a cluster of CPU ranks: the calibrated cost model (or the default) for both
+    levels, the measured matmul peak (``measure_cpu_peak`` over all cores, through ``device_peak``,
+    which keeps the highest figure seen: a busy moment reads low), its RAM shared by the ranks."""
+    import torch
+
+    from ..train.metrics import device_peak
+
+    model = _cached_cost_model()
+    cores = os.cpu_count() or 1
+    host_peak = peak if peak is not None else device_peak(torch.device("cpu"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    level = Level(model.alpha, 1.0 / model.beta)
+    # one node holding every rank: 720720 = lcm(1..16), so any degree up to 16 divides it
+    return Cluster(name="this-host", gpus_per_node=720720, memory_bytes=float(ram), peak_flops=host_peak,
+                   fp32_flops=host_peak, hbm_bandwidth=10e9, intra=level, inter=level,
+                   matmul_efficiency=0.8, attention_efficiency=0.3, hbm_efficiency=0.5,
+                   eager_elementwise_passes=3.0, reserved_bytes=1 * GiB, backend="host",
+                   memory_shared=True, cores=cores, reduce_gamma=model.gamma, notes=f"this host, cost model {model.source}")
+
+
+def resolve_cluster(spec: str) -> Cluster:
+    """A cluster by preset name, ``this-host``, or a TOML file; ConfigError names the nearest preset."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec == "this-host":
+        return this_host()
+    path = Path(spec)
+    if spec.endswith(".toml") or path.is_file():
+        return load_toml(path)
+    near = difflib.get_close_matches(spec, known_clusters(), n=1, cutoff=0.0)
+    raise ConfigError(f"--cluster {spec!r} is not a known cluster or a TOML file; nearest: {near[0]!r} "
+                      f"(known: {', '.join(known_clusters())})")

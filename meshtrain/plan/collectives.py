@@ -1,0 +1,87 @@
+"""Alpha-beta times of the collectives a layout runs, with the algorithm the comm library's
+``auto`` would choose on the cluster's topology.
+
+Prices come from the comm library's own formulas (``meshtrain.comm.select.CostModel.predict``) for
+the flat algorithms (ring, tree, halving-doubling, recursive doubling), evaluated on the slowest
+link the group crosses, plus a two-level hierarchical algorithm priced per level (a step inside
+each node on ``intra``, a ring of nodes on ``inter``, one NIC per GPU so every rail runs in
+parallel). ``auto`` is the cheapest of them: what ``select.choose`` does from its cost model; on
+NCCL clusters it takes NCCL's native collectives, whose ring/tree choice these same formulas
+describe. The mesh is ordered (dp, pp, cp, tp) with tp innermost, as in ``meshtrain.mesh``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..comm.select import CostModel
+from .clusters import Cluster, Level
+from .layout import Layout
+
+FLAT = {"all_reduce": ("ring", "tree", "halving_doubling", "recursive_doubling"),
+        "all_gather": ("ring", "recursive_doubling"),
+        "reduce_scatter": ("ring",)}
+ORDER = ("dp", "pp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group's size and how its members lie on nodes."""
+
+    size: int
+    local: int
+    """Members on one node (1: every member on its own node)."""
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the group spans."""
+        return math.ceil(self.size / self.local)
+
+
+def group_of(layout: Layout, cluster: Cluster, dims: tuple[str, ...]) -> Group:
+    """The group of mesh dimensions ``dims`` (e.g. ("tp",), ("dp", "cp")): its size and members per node."""
+    size, local = 1, 1
+    for d in dims:
+        deg = getattr(layout, d)
+        inner = math.prod(getattr(layout, e) for e in ORDER[ORDER.index(d) + 1:])
+        # members of this dimension sit ``inner`` ranks apart; a node holds gpus_per_node ranks
+        local *= max(1, min(deg, cluster.gpus_per_node // inner)) if inner < cluster.gpus_per_node else 1
+        size *= deg
+    return Group(size, min(local, size))
+
+
+def _model(level: Level, cluster: Cluster) -> CostModel:
+    return level.cost_model(gamma=cluster.reduce_gamma)
+
+
+def _flat(op: str, nbytes: float, p: int, model: CostModel) -> tuple[float, str]:
+    return min((model.predict(op, a, int(nbytes), p), a) for a in FLAT[op])
+
+
+def collective(op: str, nbytes: float, group: Group, cluster: Cluster) -> tuple[float, str]:
+    """(seconds, algorithm) of ``op`` on ``nbytes`` (the full buffer: the all-reduced tensor, the
+    all-gather's output, the reduce-scatter's input) over ``group``, as ``auto`` would run it."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0, "none"
+    intra, inter = _model(cluster.intra, cluster), _model(cluster.inter, cluster)
+    if group.nodes == 1:
+        return _flat(op, nbytes, group.size, intra)
+    best = _flat(op, nbytes, group.size, inter)  # a flat ring runs at the slowest link's speed
+    k, nodes = group.local, group.nodes
+    if k > 1:
+        # hierarchical: inside the node on the full buffer, across nodes (k rails at once) on 1/k of it
+        if op == "all_reduce":
+            t = (intra.predict("reduce_scatter", "ring", int(nbytes), k)
+                 + _flat("all_reduce", nbytes / k, nodes, inter)[0]
+                 + intra.predict("all_gather", "ring", int(nbytes), k))
+        else:
+            t = intra.predict(op, "ring", int(nbytes), k) + _flat(op, nbytes / k, nodes, inter)[0]
+        best = min(best, (t, "hierarchical"))
+    return best
+
+
+def p2p(nbytes: float, same_node: bool, cluster: Cluster) -> float:
+    """Seconds to send ``nbytes`` to one peer (pipeline stages, ring-attention neighbours)."""
+    level = cluster.intra if same_node else cluster.inter
+    return level.latency + nbytes / level.bandwidth

@@ -1,0 +1,92 @@
+"""Per-layer roofline: the time one rank spends computing one micro-batch on its pipeline stage.
+
+Three kinds of work, each at its own roof: matmuls with weights (FLOPs at ``matmul_efficiency`` of
+peak, float8 ``fp8_speedup`` faster), causal attention (FLOPs at ``attention_efficiency``) and
+element-wise ops (norms, rotary, SwiGLU, residual adds: bytes at ``hbm_efficiency`` of the memory
+bandwidth, ``eager_elementwise_passes`` times more bytes unless compiled). Backward is twice the
+forward's matmuls (input and weight gradients), 2.5x its attention (flash-attention's backward
+recomputes the scores) and twice its element-wise traffic. Activation checkpointing adds forward
+work to the backward: ``full`` all of it, ``selective`` (meshtrain: every 2nd block) half of it,
+``op`` (torchtitan) the element-wise part only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..train.metrics import flops_per_token
+from .architectures import Arch
+from .clusters import Cluster
+from .layout import Layout
+
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+"""Bytes per activation element: fp8 training keeps bf16 activations between the linear layers."""
+
+
+@dataclass(frozen=True)
+class StageCompute:
+    """Seconds one rank computes one micro-batch on the busiest pipeline stage."""
+
+    forward: float
+    backward: float
+    """Backward including any recomputation."""
+    recompute: float
+    """The part of ``backward`` that recomputes the forward (activation checkpointing)."""
+    layers: int
+    """Transformer blocks on the busiest stage."""
+
+
+def model_flops_per_token(arch: Arch, seq: int) -> float:
+    """Training FLOPs per token for MFU: 6N + 12·L·d·S (meshtrain's ``flops_per_token``, the PaLM
+    and torchtitan convention: attention counted as if not causal, recomputation not counted)."""
+    return flops_per_token(arch, arch.flop_params(), seq)  # type: ignore[arg-type]  # reads n_layers, dim
+
+
+def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int) -> tuple[float, float, float]:
+    """Forward seconds of one block on ``tokens`` tokens of this rank: (matmul, attention, element-wise)."""
+    peak = cluster.per_rank_peak(layout.world, layout.precision)
+    mm_flops = 2.0 * arch.matmul_params_per_layer() / layout.tp * tokens
+    mm_rate = peak * cluster.matmul_efficiency * (cluster.fp8_speedup if layout.precision == "fp8" else 1.0)
+    # causal: each query attends to half the keys on average; QK^T and AV are 2·S·d FLOPs each
+    # per token when not causal. With cp each rank holds S/cp queries against all S keys.
+    attn_flops = 2.0 * seq * arch.dim / layout.tp * tokens
+    attn_rate = peak * cluster.attention_efficiency
+    act = ACT_BYTES[layout.precision]
+    # residual-stream ops (2 norms read+write, 2 residual adds read 2 write 1) are split over tp
+    # only with sequence parallelism; the head-split ones (rotary on q and k, SwiGLU) always are.
+    stream = 10 * arch.dim / (layout.tp if layout.sp else 1)
+    split = (2 * (arch.dim + arch.kv_dim) + (3 if arch.gated_mlp else 2) * arch.ffn_dim) / layout.tp
+    passes = 1.0 if layout.compile else cluster.eager_elementwise_passes
+    elem_bytes = (stream + split) * act * passes * tokens
+    elem_rate = cluster.hbm_bandwidth * cluster.hbm_efficiency
+    return mm_flops / mm_rate, attn_flops / attn_rate, elem_bytes / elem_rate
+
+
+def head_forward(arch: Arch, layout: Layout, cluster: Cluster, tokens: int) -> float:
+    """Forward seconds of the output head and the loss (vocabulary split over tp) on ``tokens``."""
+    peak = cluster.per_rank_peak(layout.world, layout.precision)
+    flops = 2.0 * arch.vocab_size * arch.dim / layout.tp * tokens
+    loss_bytes = 3 * 4 * arch.vocab_size / layout.tp * tokens  # fp32 logits: softmax read, write, read
+    return flops / (peak * cluster.matmul_efficiency) + loss_bytes / (cluster.hbm_bandwidth * cluster.hbm_efficiency)
+
+
+def stage_layers(arch: Arch, layout: Layout) -> int:
+    """Blocks on the busiest pipeline rank (all its virtual chunks together)."""
+    return math.ceil(arch.n_layers / layout.pp)
+
+
+def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs: int, seq: int) -> StageCompute:
+    """Forward, backward and recompute seconds of one micro-batch on the busiest stage (the last:
+    its blocks plus the head)."""
+    tokens = microbatch_seqs * seq // layout.cp
+    mm, attn, elem = layer_forward_parts(arch, layout, cluster, tokens, seq)
+    n = stage_layers(arch, layout)
+    fwd_layer = mm + attn + elem
+    bwd_layer = 2 * mm + 2.5 * attn + 2 * elem
+    recompute_layer = {"none": 0.0, "full": fwd_layer, "selective": fwd_layer / 2, "op": elem}[layout.ac]
+    head = head_forward(arch, layout, cluster, tokens)
+    forward = n * fwd_layer + head
+    recompute = n * recompute_layer
+    backward = n * bwd_layer + recompute + 2 * head
+    return StageCompute(forward, backward, recompute, n)

@@ -1,0 +1,142 @@
+"""A layout: the (dp, pp, cp, tp) degrees plus the settings that change its cost (micro-batches,
+pipeline schedule, ZeRO stage, activation checkpointing, precision), parsed and validated.
+
+Validation raises ConfigError with the nearest valid choice, so the CLI can print it and exit 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import ConfigError
+from ..parallel.pipeline.schedule import SCHEDULES
+from .architectures import Arch
+
+AC_MODES = ("none", "selective", "op", "full")
+"""none; selective: meshtrain's (every 2nd block fully checkpointed); op: torchtitan's selective op
+(matmul and attention outputs kept, element-wise ops recomputed); full: every block recomputed."""
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of the (dp, pp, cp, tp) mesh and the settings priced with them."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    microbatches: int = 1
+    """Micro-batches per step per data-parallel rank."""
+    virtual: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    schedule: str = "1f1b"
+    zero_stage: int = 0
+    ac: str = "none"
+    precision: str = "bf16"
+    sequence_parallel: bool = True
+    """Split the residual stream over tp (Megatron SP); only meaningful with tp > 1."""
+    compile: bool = False
+    """Element-wise ops fused (torch.compile) rather than run eagerly."""
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout needs."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is on (needs tp > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    def label(self) -> str:
+        """A short, parseable name: ``dp=8,tp=8,pp=8,cp=1,m=32,v=2,1f1b,zero=1,ac=full``."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}"]
+        if self.pp > 1:
+            parts += [f"m={self.microbatches}", self.schedule] + ([f"v={self.virtual}"] if self.virtual > 1 else [])
+        elif self.microbatches > 1:
+            parts.append(f"m={self.microbatches}")
+        return ",".join(parts + [f"zero={self.zero_stage}", f"ac={self.ac}"])
+
+
+_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "microbatches": "microbatches",
+         "v": "virtual", "virtual": "virtual", "zero": "zero_stage", "zero_stage": "zero_stage", "ac": "ac",
+         "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel"}
+
+
+def parse_layout(text: str, **defaults) -> Layout:
+    """``"dp=32,tp=8"`` (unnamed degrees are 1; a bare schedule name sets the schedule) -> Layout,
+    with ``defaults`` (Layout fields) for what the text does not set."""
+    values: dict = dict(defaults)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part in SCHEDULES:
+            values["schedule"] = part
+            continue
+        key, sep, raw = part.partition("=")
+        if not sep or key not in _KEYS:
+            raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write key=value with keys "
+                              f"{', '.join(sorted(set(_KEYS)))}, e.g. dp=32,tp=8")
+        field = _KEYS[key]
+        if field in ("ac", "schedule", "precision"):
+            values[field] = raw
+        elif field == "sequence_parallel":
+            values[field] = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                values[field] = int(raw)
+            except ValueError as e:
+                raise ConfigError(f"--layout {text!r}: {key} must be an integer, got {raw!r}") from e
+    return Layout(**values)
+
+
+def tp_splits(arch: Arch, tp: int) -> bool:
+    """True if tp splits the heads, the kv heads and the MLP width evenly (as meshtrain requires)."""
+    return arch.n_heads % tp == 0 and arch.n_kv_heads % tp == 0 and arch.ffn_dim % tp == 0
+
+
+def _nearest_dp(layout: Layout, gpus: int) -> str:
+    """The nearest layout that fills ``gpus``: change dp if the other degrees divide gpus, else tp=1."""
+    rest = layout.tp * layout.pp * layout.cp
+    if gpus % rest == 0:
+        return replace(layout, dp=gpus // rest).label()
+    return replace(layout, dp=gpus, tp=1, pp=1, cp=1).label()
+
+
+def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int) -> None:
+    """Raise ConfigError if ``layout`` cannot run ``arch`` on ``gpus`` with this batch; the message
+    names the nearest valid choice."""
+    for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual"):
+        if getattr(layout, name) < 1:
+            raise ConfigError(f"layout {name}={getattr(layout, name)} must be >= 1")
+    if layout.world != gpus:
+        raise ConfigError(f"layout {layout.label()} uses {layout.world} GPUs, not --gpus {gpus}; nearest "
+                          f"that fills them: {_nearest_dp(layout, gpus)}")
+    if layout.ac not in AC_MODES:
+        raise ConfigError(f"ac={layout.ac!r}: choose one of {', '.join(AC_MODES)}")
+    if layout.precision not in PRECISIONS:
+        raise ConfigError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage={layout.zero_stage}: use 0, 1, 2 or 3")
+    if layout.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={layout.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if not tp_splits(arch, layout.tp):  # meshtrain's check_tensor_parallel: heads, kv heads, MLP split evenly
+        ok = [t for t in range(1, arch.n_kv_heads + 1) if tp_splits(arch, t)]
+        raise ConfigError(f"tp={layout.tp} does not split {arch.n_heads} heads / {arch.n_kv_heads} kv heads; "
+                          f"valid tp: {ok}")
+    if layout.pp * layout.virtual > arch.n_layers:
+        raise ConfigError(f"pp*v = {layout.pp * layout.virtual} stages for {arch.n_layers} layers; use pp*v <= "
+                          f"{arch.n_layers}")
+    if layout.virtual > 1 and layout.schedule != "interleaved":
+        raise ConfigError(f"v={layout.virtual} needs the interleaved schedule (or v=1)")
+    if seq % layout.cp:
+        raise ConfigError(f"cp={layout.cp} does not divide --seq {seq}; use a cp that divides it")
+    per_dp = global_batch // layout.dp if global_batch % layout.dp == 0 else 0
+    if not per_dp or per_dp % layout.microbatches:
+        raise ConfigError(f"--global-batch {global_batch} is not a multiple of dp*m = "
+                          f"{layout.dp}*{layout.microbatches}; nearest: --global-batch "
+                          f"{max(1, round(global_batch / (layout.dp * layout.microbatches))) * layout.dp * layout.microbatches}")
+    if layout.pp > 1 and layout.schedule != "afab" and layout.microbatches < layout.pp:
+        raise ConfigError(f"{layout.schedule} needs m >= pp: m={layout.microbatches}, pp={layout.pp}; use m={layout.pp}")
+    if layout.schedule == "interleaved" and layout.pp > 1 and layout.microbatches % layout.pp:
+        raise ConfigError(f"interleaved needs m a multiple of pp={layout.pp}; use m="
+                          f"{-(-layout.microbatches // layout.pp) * layout.pp}")

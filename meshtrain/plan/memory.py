@@ -1,0 +1,117 @@
+"""Bytes one rank holds at its peak: parameters, gradients and optimizer state by ZeRO stage,
+activations at the pipeline schedule's peak in flight, and buffers.
+
+meshtrain (like torchtitan's FSDP2 setup) keeps fp32 master weights, fp32 gradients and AdamW's two
+fp32 moments: 4 + 4 + 8 = 16 bytes per parameter, sharded over the dp x cp group by ZeRO stage
+(1: optimizer state, 2: + gradients, 3: + parameters), so ZeRO-3 holds 16·N/(dp·cp) bytes.
+
+Activations per block and token follow Korthikanti et al. 2022 (arXiv 2205.05198), sbh(34 + 5as/h)
+bytes for GPT without parallelism, redone for what meshtrain's block keeps with a fused attention
+(no s x s scores): the two norms' inputs and outputs (4h, split over tp only with sequence
+parallelism), q, k, v and the attention output (2h + 2·kv), and the MLP's inputs to its last matrix
+(3·ffn for SwiGLU, 2·ffn for GELU), split over tp; times the activation's bytes. For GPT-3 this is
+32h bytes per token, Korthikanti's 34h without the dropout masks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from ..parallel.pipeline.schedule import build_schedule, peak_in_flight
+from .architectures import Arch
+from .compute import ACT_BYTES, stage_layers
+from .layout import Layout
+
+MASTER, GRAD, ADAM = 4, 4, 8
+BUCKET_BYTES = 2 * 25 * 2**20
+"""Two 25 MB data-parallel gradient buckets (one reducing, one filling)."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes of one rank, by what holds them."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        """Sum of the parts."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        """The parts and the total, for JSON."""
+        return {**asdict(self), "total": self.total}
+
+
+def stage_params(arch: Arch, layout: Layout) -> float:
+    """Parameters one rank holds before ZeRO: the busiest stage's blocks, plus the embedding and the
+    head on the stages that hold them, split over tp."""
+    blocks = stage_layers(arch, layout) * arch.params_per_layer()
+    ends = arch.embedding_params() + arch.head_params() if layout.pp == 1 else \
+        max(arch.embedding_params(), arch.head_params())
+    return (blocks + ends) / layout.tp
+
+
+def activation_bytes_per_token(arch: Arch, layout: Layout) -> float:
+    """Bytes one block keeps for backward per token on this rank, without checkpointing."""
+    stream = 4 * arch.dim / (layout.tp if layout.sp else 1)
+    split = (2 * arch.dim + 2 * arch.kv_dim + (3 if arch.gated_mlp else 2) * arch.ffn_dim) / layout.tp
+    return (stream + split) * ACT_BYTES[layout.precision]
+
+
+def block_input_bytes_per_token(arch: Arch, layout: Layout) -> float:
+    """Bytes of a checkpointed block's input per token (the residual stream, split over tp with SP)."""
+    return arch.dim / (layout.tp if layout.sp else 1) * ACT_BYTES[layout.precision]
+
+
+@lru_cache(maxsize=4096)
+def microbatches_in_flight(schedule: str, pp: int, m: int, v: int) -> float:
+    """Micro-batches of a whole stage's activations rank 0 holds at its peak: ``peak_in_flight`` of the
+    schedule (chunks of 1/v of the stage each under interleaving); 1 without a pipeline."""
+    if pp == 1:
+        return 1.0
+    return peak_in_flight(build_schedule(schedule, pp, m, v)[0]) / v
+
+
+def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> float:
+    """Activation bytes at the rank's peak: stored blocks for the micro-batches in flight, one block
+    being recomputed (checkpointing), and the last stage's fp32 logits and their gradient."""
+    tokens = microbatch_seqs * seq / layout.cp
+    n = stage_layers(arch, layout)
+    full = activation_bytes_per_token(arch, layout)
+    inp = block_input_bytes_per_token(arch, layout)
+    # "op": element-wise results are recomputed, so the norms' outputs and SwiGLU's product are not kept
+    op = full - (2 * arch.dim / (layout.tp if layout.sp else 1) + arch.ffn_dim / layout.tp) * ACT_BYTES[layout.precision]
+    per_layer = {"none": full, "op": op, "full": inp, "selective": (full + inp) / 2}[layout.ac]
+    transient = full if layout.ac in ("full", "selective") else 0.0
+    flight = microbatches_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
+    logits = 2 * 4 * arch.vocab_size / layout.tp
+    return tokens * (flight * n * per_layer + transient + logits)
+
+
+def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> MemoryBreakdown:
+    """Peak bytes of one rank under ``layout``."""
+    p = stage_params(arch, layout)
+    shard = layout.dp * layout.cp  # meshtrain's ZeRO shards over the dp x cp group
+    z = layout.zero_stage
+    params = p * MASTER / (shard if z >= 3 else 1)
+    grads = p * GRAD / (shard if z >= 2 else 1)
+    optimizer = p * ADAM / (shard if z >= 1 else 1)
+    block = arch.params_per_layer() / layout.tp
+    if z >= 3:  # one block gathered for compute, the next prefetched, the current block's full gradient
+        buffers = 2 * block * MASTER + block * GRAD
+    else:  # gradient buckets, and autocast's low-precision copy of the weights in use
+        buffers = BUCKET_BYTES + (p * 2 if layout.precision != "fp32" else 0.0)
+    act = activation_memory(arch, layout, microbatch_seqs, seq)
+    return MemoryBreakdown(params, grads, optimizer, act, buffers)
+
+
+def fits(mem: MemoryBreakdown, capacity: float) -> bool:
+    """True if the peak fits in ``capacity`` bytes."""
+    return mem.total <= capacity and math.isfinite(mem.total)

@@ -1,0 +1,117 @@
+"""Published training runs the planner is checked against: each with its source, its layout as
+published, and the metric it reported (tokens/s per GPU, or MFU).
+
+Nothing here is fitted: the predictions use the cluster presets' one set of constants. Where a
+publication leaves a setting out, the value used is the framework's documented default at the
+time, named in ``assumed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .architectures import resolve_model
+from .clusters import resolve_cluster
+from .layout import parse_layout
+from .search import search
+from .step import Prediction, predict
+
+TORCHTITAN = ("torchtitan docs/performance.md (github.com/pytorch/torchtitan), the performance tables of "
+              "Liang et al., TorchTitan, arXiv 2410.06511")
+MEGATRON = ("Megatron-LM README, 'Strong Scaling Results' (github.com/NVIDIA/Megatron-LM); method: Narayanan "
+            "et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, arXiv 2104.04473")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published measurement and the setup it was taken under."""
+
+    name: str
+    model: str
+    cluster: str
+    gpus: int
+    layout: str
+    global_batch: int
+    seq: int
+    metric: str
+    """"tokens_per_s_per_gpu" or "mfu"."""
+    value: float
+    source: str
+    compile: bool = False
+    memory_gib: float | None = None
+    """Published peak memory per GPU (GiB), where given."""
+    assumed: str = ""
+    settings: dict = field(default_factory=dict)
+
+
+RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun("torchtitan 8B FSDP, 8 GPUs (Table 1)", "llama3-8b", "h100-gt500", 8,
+                 "dp=8,zero=3,ac=op,precision=bf16", 16, 8192, "tokens_per_s_per_gpu", 5762, TORCHTITAN, memory_gib=82.4,
+                 assumed="selective AC = torchtitan's selective op AC"),
+    PublishedRun("torchtitan 8B FSDP, 128 GPUs (Table 3)", "llama3-8b", "h100-gt500", 128,
+                 "dp=128,zero=3,ac=op,precision=bf16", 256, 8192, "tokens_per_s_per_gpu", 5605, TORCHTITAN, memory_gib=67.0,
+                 assumed="selective AC = torchtitan's selective op AC"),
+    PublishedRun("torchtitan 70B FSDP32 x TP8, 256 GPUs (Table 4, 2D)", "llama3-70b", "h100-gt500", 256,
+                 "dp=32,tp=8,zero=3,ac=full,precision=fp8", 512, 8192, "tokens_per_s_per_gpu", 829, TORCHTITAN,
+                 compile=True, memory_gib=71.9),
+    PublishedRun("torchtitan 405B FSDP8 x TP8 x PP8 1F1B, 512 GPUs (Table 5)", "llama3-405b", "h100-gt500", 512,
+                 "dp=8,tp=8,pp=8,m=8,1f1b,zero=3,ac=full,precision=fp8", 256, 8192, "tokens_per_s_per_gpu", 100,
+                 TORCHTITAN, compile=True, memory_gib=82.5,
+                 assumed="m = number of stages (torchtitan's default then); async TP not modelled"),
+    PublishedRun("torchtitan 405B FSDP8 x TP8 x PP8 interleaved, 512 GPUs (Table 5)", "llama3-405b", "h100-gt500",
+                 512, "dp=8,tp=8,pp=8,m=16,v=2,interleaved,zero=3,ac=full,precision=fp8", 256, 8192,
+                 "tokens_per_s_per_gpu", 128, TORCHTITAN, compile=True, memory_gib=72.7,
+                 assumed="v=2, m = number of stages (16); async TP not modelled"),
+    PublishedRun("Megatron GPT-175B, 96 H100", "gpt-175b", "h100", 96,
+                 "dp=1,tp=8,pp=12,m=1152,v=2,interleaved,zero=1,ac=none,precision=bf16", 1152, 2048, "mfu", 0.47,
+                 MEGATRON, compile=True,
+                 assumed="layout not in the README text: tp=8, pp=12, v=2 (8 layers per stage), distributed "
+                         "optimizer (zero=1), fused kernels (compile)"),
+    PublishedRun("Megatron GPT-175B, 4608 H100", "gpt-175b", "h100", 4608,
+                 "dp=48,tp=8,pp=12,m=24,v=2,interleaved,zero=1,ac=none,precision=bf16", 1152, 2048, "mfu", 0.42,
+                 MEGATRON, compile=True, assumed="as the 96-GPU run, dp=48"),
+)
+
+
+def metric_of(pred: Prediction, metric: str) -> float:
+    """The predicted value of a published metric."""
+    return pred.tokens_per_s_per_gpu if metric == "tokens_per_s_per_gpu" else pred.mfu
+
+
+def check(run: PublishedRun, with_search: bool = True) -> dict:
+    """Predict ``run`` as published, and (``with_search``) the layout ``--search`` ranks first on the
+    same model, cluster, GPUs, batch and precision."""
+    arch, cluster = resolve_model(run.model), resolve_cluster(run.cluster)
+    layout = parse_layout(run.layout, compile=run.compile)
+    pred = predict(arch, cluster, layout, run.global_batch, run.seq)
+    value = metric_of(pred, run.metric)
+    row = {"run": run.name, "metric": run.metric, "published": run.value, "predicted": value,
+           "error": value / run.value - 1.0, "layout": layout.label(), "memory_gib": pred.memory.total / 2**30,
+           "published_memory_gib": run.memory_gib,
+           "fits": pred.fits, "step_time_s": pred.step_time, "source": run.source, "assumed": run.assumed}
+    if with_search:
+        best = search(arch, cluster, run.gpus, run.global_batch, run.seq,
+                      fixed={"precision": layout.precision, "compile": run.compile}, top=1)[0]
+        row.update(search_layout=best.layout.label(), search_value=metric_of(best, run.metric),
+                   search_fits=best.fits, search_at_least_published=best.step_time <= pred.step_time * (1 + 1e-9))
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as the table in docs/plan.md."""
+    def fmt(metric: str, v: float) -> str:
+        """A metric value as the table shows it."""
+        return f"{v * 100:.1f}% MFU" if metric == "mfu" else f"{v:,.0f} tok/s/GPU"
+
+    out = ["| run | published | predicted | error | GiB/rank published | predicted (fits) | --search first | "
+           "its prediction |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        out.append(f"| {r['run']} | {fmt(r['metric'], r['published'])} | {fmt(r['metric'], r['predicted'])} | "
+                   f"{r['error'] * 100:+.0f}% | {r['published_memory_gib'] or '-'} | "
+                   f"{r['memory_gib']:.0f} ({'yes' if r['fits'] else 'no'}) | "
+                   f"`{r.get('search_layout', '-')}` | {fmt(r['metric'], r.get('search_value', float('nan')))} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m meshtrain.plan.published: regenerate the docs table
+    print(markdown([check(run) for run in RUNS]))

@@ -1,0 +1,55 @@
+"""What ``meshtrain plan`` prints and writes: a ranked table, JSON, and a PNG of each layout's step
+time broken into compute, exposed communication per dimension and bubble."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .step import Prediction
+
+PARTS = ("compute", "tp", "cp", "pp", "dp", "bubble", "optimizer")
+GiB = 2**30
+
+
+def table(preds: list[Prediction]) -> str:
+    """A ranked text table: layout, step time and its parts (seconds), memory per rank, MFU."""
+    head = (f"{'#':>2}  {'layout':<52} {'step s':>8} " + " ".join(f"{p:>8}" for p in PARTS)
+            + f" {'GiB/rank':>9} {'fits':>4} {'tok/s/gpu':>10} {'MFU':>6}")
+    rows = [head, "-" * len(head)]
+    for i, p in enumerate(preds, 1):
+        rows.append(f"{i:>2}  {p.layout.label():<52} {p.step_time:>8.3f} "
+                    + " ".join(f"{p.parts[k]:>8.3f}" for k in PARTS)
+                    + f" {p.memory.total / GiB:>9.1f} {'yes' if p.fits else 'NO':>4} "
+                    f"{p.tokens_per_s_per_gpu:>10.0f} {p.mfu * 100:>5.1f}%")
+    return "\n".join(rows)
+
+
+def to_json(preds: list[Prediction], context: dict) -> str:
+    """The predictions, fastest first, with the inputs they answer (``context``)."""
+    return json.dumps({**context, "layouts": [p.as_dict() for p in preds]}, indent=1)
+
+
+def chart(preds: list[Prediction], path: Path, title: str = "") -> Path:
+    """A horizontal stacked bar per layout: step time split into its parts; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training hosts
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(preds) + 1.5))
+    labels = [p.layout.label() for p in preds][::-1]
+    left = [0.0] * len(preds)
+    for part in PARTS:
+        widths = [p.parts[part] for p in preds][::-1]
+        ax.barh(labels, widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("seconds per step")
+    ax.set_title(title or "predicted step time")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, not over them
+    ax.tick_params(axis="y", labelsize="x-small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,97 @@
+"""``--search``: enumerate the layouts that fill the GPUs, predict each, rank the ones that fit.
+
+For each (tp, cp, pp, dp) that divides the GPUs (tp inside a node and splitting the heads, cp
+dividing the sequence, pp at most the layers, dp dividing the batch), a few micro-batch counts,
+the pipeline schedules and every ZeRO stage are tried; activation checkpointing is the least
+recomputation that fits (none, selective, full: each saves memory at more compute; torchtitan's
+"op" only when asked), unless the caller fixed it. Settings the caller fixes (precision, ac, zero stage, schedule) are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+from ..errors import ConfigError
+from .architectures import Arch
+from .clusters import Cluster
+from .layout import AC_MODES, Layout, tp_splits
+from .step import Prediction, predict
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _microbatch_choices(local: int, pp: int, interleaved: bool) -> list[int]:
+    """Up to three micro-batch counts for ``local`` sequences per dp rank: the most (smallest
+    bubble), and the fewest and a middle one that a schedule on ``pp`` stages accepts."""
+    if pp == 1:
+        return sorted({1, local})
+    # one micro-batch per sequence has the smallest bubble; more than 8 per stage otherwise buys
+    # under 1/9 of the bubble back and the simulator's work grows with m
+    valid = [m for m in _divisors(local) if m >= pp and (not interleaved or m % pp == 0)]
+    if not valid:
+        return []
+    capped = [m for m in valid if m <= 8 * pp] or valid[:1]
+    return sorted({capped[0], capped[len(capped) // 2], capped[-1], valid[-1]})
+
+
+def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int,
+               fixed: dict) -> Iterator[Layout]:
+    """Every layout the search prices (activation checkpointing left to ``search``)."""
+    base = Layout(**{k: v for k, v in fixed.items() if k != "ac"})
+    for tp in _divisors(gpus):
+        if cluster.gpus_per_node % tp or not tp_splits(arch, tp):
+            continue
+        for cp in (c for c in _divisors(gpus // tp) if c <= 16 and seq % c == 0):
+            for pp in (p for p in _divisors(gpus // tp // cp) if p <= min(arch.n_layers, 64)):
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                schedules = ["1f1b", "interleaved"] if pp > 1 else ["1f1b"]
+                if "schedule" in fixed and pp > 1:
+                    schedules = [fixed["schedule"]]
+                for sched in schedules:
+                    vs = [v for v in (2, 4) if pp * v <= arch.n_layers] if sched == "interleaved" else [1]
+                    for v in vs:
+                        for m in _microbatch_choices(global_batch // dp, pp, sched == "interleaved"):
+                            zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else \
+                                ([0, 1, 2, 3] if dp * cp > 1 else [0])
+                            for z in zeros:
+                                yield replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
+                                              schedule=sched, zero_stage=z)
+
+
+def search(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int, fixed: dict | None = None,
+           top: int = 10) -> list[Prediction]:
+    """The ``top`` fastest layouts that fit, fastest first; ConfigError (with the smallest peak
+    memory seen and the GPUs that would need) if none fits."""
+    fixed = dict(fixed or {})
+    # "op" is torchtitan's selective op checkpointing, which meshtrain train does not offer: only
+    # priced when asked for (to compare with torchtitan's runs)
+    acs = [fixed["ac"]] if "ac" in fixed else [a for a in AC_MODES if a != "op"]
+    found: list[Prediction] = []
+    smallest: Prediction | None = None
+    for layout in candidates(arch, cluster, gpus, global_batch, seq, fixed):
+        for ac in acs:
+            try:
+                pred = predict(arch, cluster, replace(layout, ac=ac), global_batch, seq)
+            except ConfigError:
+                break
+            if smallest is None or pred.memory.total < smallest.memory.total:
+                smallest = pred
+            if pred.fits:
+                found.append(pred)
+                break
+    if not found:
+        if smallest is None:
+            raise ConfigError(f"no layout of {gpus} GPUs runs {arch.name} with --global-batch {global_batch} "
+                              f"--seq {seq}; use a global batch that is a multiple of {gpus}")
+        need = smallest.memory.total / smallest.capacity
+        raise ConfigError(f"{arch.name} fits no layout of {gpus} GPUs on {cluster.name}: the smallest peak is "
+                          f"{smallest.memory.total / 2**30:.1f} GiB per rank ({smallest.layout.label()}) of "
+                          f"{smallest.capacity / 2**30:.1f} GiB; try --gpus {gpus * max(2, 2 ** int(need).bit_length())} "
+                          f"or a smaller --global-batch")
+    found.sort(key=lambda p: p.step_time)
+    return found[:top]

@@ -1,0 +1,161 @@
+"""One training step's time on a layout: compute, exposed communication per dimension, pipeline
+bubble; with memory per rank and MFU, as a ``Prediction``.
+
+Per micro-batch on the busiest stage: compute (``compute.stage_compute``), tensor-parallel
+collectives (2 all-gathers + 2 reduce-scatters per block each way with sequence parallelism, 2
+all-reduces without; recomputation repeats the forward's), ring-attention K/V exchange (each of cp-1
+steps hidden behind that step's attention when shorter) and the pipeline send to the next stage.
+Those per-action times go through the schedule simulator (``simulate``), whose makespan minus the
+busy time is the bubble. Data-parallel / ZeRO collectives of the stage's parameters hide behind the
+backward (ZeRO-3's gathers behind the forward too), except the last layer's share; the exposed rest
+and the optimizer's memory-bound update are added after the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..parallel.pipeline.schedule import bubble_fraction, build_schedule, simulate
+from .architectures import Arch
+from .clusters import Cluster
+from .collectives import collective, group_of, p2p
+from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
+from .layout import Layout, validate
+from .memory import GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
+
+
+@dataclass
+class Prediction:
+    """Predicted step of one layout."""
+
+    layout: Layout
+    step_time: float
+    parts: dict[str, float]
+    """Seconds: compute, tp, cp, pp, dp (exposed communication per dimension), bubble, optimizer."""
+    memory: MemoryBreakdown
+    capacity: float
+    """Bytes a rank may use on the cluster."""
+    tokens_per_s_per_gpu: float
+    mfu: float
+    algorithms: dict[str, str] = field(default_factory=dict)
+    """Collective -> the algorithm auto would pick for it."""
+
+    @property
+    def fits(self) -> bool:
+        """True if the peak memory fits in a rank's capacity."""
+        return self.memory.total <= self.capacity
+
+    def as_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"layout": self.layout.label(), "step_time_s": self.step_time, "parts_s": self.parts,
+                "memory_bytes": self.memory.as_dict(), "capacity_bytes": self.capacity, "fits": self.fits,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "algorithms": self.algorithms}
+
+
+@lru_cache(maxsize=8192)
+def simulated_bubble(schedule: str, pp: int, m: int, v: int) -> float:
+    """Idle fraction of the schedule simulator's timeline (``simulate`` at b = 2f, then
+    ``bubble_fraction``). For 1F1B and AFAB it does not depend on b/f; interleaved moves by under a
+    percent point over the b/f of 2-3.3 that recomputation spans, so one simulation serves every layout."""
+    return bubble_fraction(simulate(build_schedule(schedule, pp, m, v), 1.0, 2.0))
+
+
+def pipeline_time(layout: Layout, f: float, b: float) -> float:
+    """Seconds for all micro-batches through the pipeline, each action costing f (forward) or b
+    (backward) per stage: every rank is busy m(f + b), stretched by the simulated bubble."""
+    busy = layout.microbatches * (f + b)
+    if layout.pp == 1:
+        return busy
+    return busy / (1.0 - simulated_bubble(layout.schedule, layout.pp, layout.microbatches, layout.virtual))
+
+
+def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq: int) -> Prediction:
+    """The predicted step of ``layout`` (validated first: ConfigError names the fix)."""
+    validate(layout, arch, layout.world, global_batch, seq)
+    mb = global_batch // layout.dp // layout.microbatches
+    sc = stage_compute(arch, layout, cluster, mb, seq)
+    act = ACT_BYTES[layout.precision]
+    tokens = mb * seq // layout.cp
+    algos: dict[str, str] = {}
+
+    # tensor parallel: per block, 2 collectives each way on the microbatch's hidden states
+    tp_group = group_of(layout, cluster, ("tp",))
+    h_bytes = tokens * arch.dim * act
+    if layout.sp:
+        ag, algos["tp all_gather"] = collective("all_gather", h_bytes, tp_group, cluster)
+        rs, algos["tp reduce_scatter"] = collective("reduce_scatter", h_bytes, tp_group, cluster)
+        per_pass = 2 * (ag + rs)
+    else:
+        ar, algos["tp all_reduce"] = collective("all_reduce", h_bytes, tp_group, cluster)
+        per_pass = 2 * ar
+    recompute_share = {"none": 0.0, "op": 0.0, "selective": 0.5, "full": 1.0}[layout.ac]
+    tp_f = sc.layers * per_pass
+    tp_b = sc.layers * per_pass * (1 + recompute_share)
+
+    # context parallel: cp-1 ring steps of this rank's K and V (and dK, dV back in backward)
+    cp_f = cp_b = 0.0
+    if layout.cp > 1:
+        same = group_of(layout, cluster, ("cp",)).nodes == 1
+        kv = tokens * 2 * arch.kv_dim / min(layout.tp, arch.n_kv_heads) * act
+        _, attn, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
+        step_f, step_b = p2p(kv, same, cluster), p2p(2 * kv, same, cluster)
+        cp_f = sc.layers * (layout.cp - 1) * max(0.0, step_f - attn / layout.cp)
+        cp_b = sc.layers * (layout.cp - 1) * max(0.0, step_b - 2.5 * attn / layout.cp)
+        algos["cp"] = "ring p2p"
+
+    # pipeline: each chunk sends its output forward and its input gradient back
+    pp_f = pp_b = 0.0
+    if layout.pp > 1:
+        same = group_of(layout, cluster, ("pp",)).local > 1
+        send = p2p(tokens * arch.dim / (layout.tp if layout.sp else 1) * act, same, cluster)
+        pp_f = pp_b = send * layout.virtual
+        algos["pp"] = "p2p"
+
+    f = sc.forward + tp_f + cp_f + pp_f
+    b = sc.backward + tp_b + cp_b + pp_b
+    makespan = pipeline_time(layout, f, b)
+    m = layout.microbatches
+    busy = m * (f + b)
+
+    # data parallel / ZeRO over dp x cp, on this rank's stage parameters
+    dp_exposed, opt_params = _data_parallel(arch, cluster, layout, sc, f - pp_f, b - pp_b, algos)
+    # AdamW: read params, grads, two moments; write params and moments (fp32) at memory speed
+    optimizer = opt_params * 28 / (cluster.hbm_bandwidth * cluster.hbm_efficiency)
+
+    step = makespan + dp_exposed + optimizer
+    parts = {"compute": m * (sc.forward + sc.backward), "tp": m * (tp_f + tp_b), "cp": m * (cp_f + cp_b),
+             "pp": m * (pp_f + pp_b), "dp": dp_exposed, "bubble": max(0.0, makespan - busy), "optimizer": optimizer}
+    mem = memory_per_rank(arch, layout, mb, seq)
+    if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
+        mem = MemoryBreakdown(mem.params, mem.grads, mem.optimizer, mem.activations,
+                              mem.buffers + stage_params(arch, layout) * act)
+    tok = global_batch * seq / step / layout.world
+    mfu = tok * model_flops_per_token(arch, seq) / cluster.per_rank_peak(layout.world, "bf16")
+    return Prediction(layout, step, parts, mem, cluster.memory_per_rank(layout.world), tok, mfu, algos)
+
+
+def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,
+                   algos: dict[str, str]) -> tuple[float, float]:
+    """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates)."""
+    shard = layout.dp * layout.cp
+    p = stage_params(arch, layout)
+    if shard == 1:
+        return 0.0, p
+    g = group_of(layout, cluster, ("dp", "cp"))
+    z = layout.zero_stage
+    layers = max(sc.layers, 1)
+    if z == 0:
+        t, algos["dp all_reduce"] = collective("all_reduce", p * GRAD, g, cluster)
+        return max(0.0, t - b) + t / layers, p
+    rs, algos["dp reduce_scatter"] = collective("reduce_scatter", p * GRAD, g, cluster)
+    if z in (1, 2):  # gradients reduce-scatter behind the last backward; updated params gathered after
+        ag, algos["dp all_gather"] = collective("all_gather", p * MASTER, g, cluster)
+        return max(0.0, rs - b) + rs / layers + ag, p / shard
+    # ZeRO-3: weights gathered in the compute dtype before each forward and again before each backward
+    # (once per step under a pipeline, which keeps them gathered across micro-batches)
+    gather_bytes = p * (MASTER if layout.precision == "fp32" else 2)
+    ag, algos["dp all_gather"] = collective("all_gather", gather_bytes, g, cluster)
+    times = layout.microbatches if layout.pp == 1 else 1
+    exposed = times * (max(0.0, ag - f) + ag / layers + max(0.0, ag + rs / times - b) + rs / times / layers)
+    return exposed, p / shard

@@ -1,0 +1,23 @@
+"""Predictions of published runs (torchtitan, Megatron-LM) against the published numbers: the
+validation bar is +-20% with the cluster presets' one set of constants. Runs the model misses are
+strict xfails naming why, so a fix that brings them in turns the suite red until the mark goes."""
+
+import pytest
+
+from meshtrain.plan.published import RUNS, check
+
+MISSES = {
+    "torchtitan 8B FSDP, 128 GPUs (Table 3)": "predicted +20.4%: eager element-wise and FSDP overheads at "
+                                              "500 W are underpriced",
+    "Megatron GPT-175B, 4608 H100": "predicted -28%: the assumed layout's bubble and meshtrain's exposed ZeRO-1 "
+                                    "all-gather; Megatron overlaps it and its layout is not published in text",
+}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_prediction_within_20_percent_of_published(run, request):
+    if run.name in MISSES:
+        request.applymarker(pytest.mark.xfail(reason=MISSES[run.name], strict=True))
+    row = check(run, with_search=False)
+    assert row["fits"], f"{run.name}: the published layout is predicted not to fit ({row['memory_gib']:.0f} GiB)"
+    assert abs(row["error"]) <= 0.20, f"{run.name}: predicted {row['predicted']:.4g} vs {run.value:.4g}"
