@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import comm
+from ..comm.launch import share_cores
 from ..errors import CollectiveError, MeshtrainError
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
@@ -36,6 +37,8 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
 
     config = from_dict(config_dict)
     c = config.comm
+    # the elastic agent, unlike torchrun's command line, leaves every worker one thread per core
+    share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         comm.init(transport=c.transport, backend=None if c.backend == "auto" else c.backend, timeout=c.timeout_s,
                   check=c.check, init_timeout=c.init_timeout_s)

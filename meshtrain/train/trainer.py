@@ -159,7 +159,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             logger.close()
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "world_size": mesh.world_size,
                "layout": {"dp": p.dp, "pp": p.pp, "cp": p.cp, "tp": p.tp, "dp_replicate": p.dp_replicate}, "seconds": time.perf_counter() - start,
-               "run_dir": str(run_dir)}
+               "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
     if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))

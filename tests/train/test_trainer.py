@@ -4,6 +4,7 @@ falls, every layout gives the one-process losses, bad input exits 2 with the rea
 from __future__ import annotations
 
 import json
+import os
 import math
 import threading
 
@@ -78,6 +79,10 @@ def test_processes_resume_a_dp2xtp2_checkpoint_as_pp2xdp2_zero3(tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["samples"] for r in resumed] == [r["samples"] for r in threads[2:]]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in threads[2:]], rel=1e-5)
+    # 4 worker processes share the cores, one intra-op thread per core between them (as torchrun)
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    omp = os.environ.get("OMP_NUM_THREADS")
+    assert summary["intra_op_threads"] == (int(omp) if omp else max(1, (os.cpu_count() or 1) // 4))
 
 
 def test_print_config_and_bad_keys(tmp_path, capsys):
