@@ -2,14 +2,13 @@
 
 A ``Placement`` is nanotron's sharded-parameter info (or DTensor's placements, resolved for one
 rank): the global shape, and for each mesh axis the parameter is split over, the tensor dim, this
-rank's index and the number of parts. Over every other axis the parameter is replicated; over the
-``partial`` axes its *gradient* is a partial sum (a norm under sequence parallelism sees only this
-rank's slice of the sequence). Pipeline stages hold different parameters, so pp is never listed.
+rank's index and the number of parts. Over every other axis the parameter is replicated. Pipeline
+stages hold different parameters, so pp is never listed.
 
 Initialisation (``full.narrow`` to the local box), gradient clipping (which axes a gradient is
-distinct along), checkpoints (the box of the full tensor, and which replica writes it) and export
-all read ``param.placement``; ``attach_placements`` derives it from the layers that split a
-parameter (``shard_dims`` on a module), so nothing is copied around by hand.
+distinct along) and checkpoints (the box of the full tensor, and which replica writes it) read
+``param.placement``; export reads the checkpoint. ``attach_placements`` derives it from the layers
+that split a parameter (``shard_dims`` on a module), so nothing is copied around by hand.
 """
 
 from __future__ import annotations
@@ -39,13 +38,11 @@ class Placement:
     global_shape: tuple[int, ...]
     splits: tuple[Split, ...] = ()
     """The axes the tensor is split over, outermost first (two splits of one dim nest)."""
-    partial: tuple[str, ...] = ()
-    """Axes over which the gradient is a partial sum that the layer's backward does not reduce."""
 
     @classmethod
-    def replicated(cls, shape: tuple[int, ...] | torch.Size, partial: tuple[str, ...] = ()) -> "Placement":
+    def replicated(cls, shape: tuple[int, ...] | torch.Size) -> "Placement":
         """A parameter every rank holds whole."""
-        return cls(tuple(shape), (), partial)
+        return cls(tuple(shape))
 
     @property
     def sharded_over(self) -> frozenset[str]:
@@ -94,17 +91,13 @@ def placement_of(p: torch.Tensor) -> Placement:
 def attach_placements(model: nn.Module, axis: str = "tp") -> None:
     """Give every parameter of ``model`` a ``placement``: split along the dims the module that owns
     it declares (``module.shard_dims = {param_name: dim}``, its ``group`` naming index and parts,
-    over mesh ``axis``), partial over ``axis`` where it declares ``partial_grads``, replicated
-    otherwise. Idempotent; call after any step (``to_empty``) that makes new parameter objects."""
+    over mesh ``axis``), replicated otherwise. Idempotent; call after any step (``to_empty``) that makes new parameter objects."""
     for module in model.modules():
         dims = getattr(module, "shard_dims", {})
-        partial = getattr(module, "partial_grads", ())
         group = getattr(module, "group", None)
         for name, p in module.named_parameters(recurse=False):
             if name in dims and group is not None:
                 p.placement = Placement.split(p.shape, axis, dims[name], group.rank, group.size)  # type: ignore[attr-defined]
-            elif name in partial and group is not None and group.size > 1:
-                p.placement = Placement.replicated(p.shape, (axis,))  # type: ignore[attr-defined]
     for p in model.parameters():
         if getattr(p, "placement", None) is None:
             p.placement = Placement.replicated(p.shape)  # type: ignore[attr-defined]
