@@ -128,6 +128,12 @@ class ParallelOptimizer:
             self.optimizers: list[Any] = [ZeroOptimizer(m, optimizer_cls, **kwargs) for m in model.stages.values()]
         else:
             self.optimizers = [optimizer_cls([p for _, p in model.named_parameters()], **kwargs)]
+        # the axes the global grad norm sums over (fixed once the model is built): pp, every axis a
+        # placement splits over, and ZeRO's view; from the stage's parameters, not this rank's
+        # pieces, so that every rank reduces over the same axes
+        split = {a for _, p in model.named_parameters() for a in placement_of(p).sharded_over}
+        axes = ["pp"] + sorted(split) + ([ZERO_VIEW] if model.config.zero_stage else [])
+        self._norm_axes = [a for a in axes if model.mesh.size(a) > 1]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -168,10 +174,7 @@ class ParallelOptimizer:
         mesh = self.model.mesh
         pieces = self._grad_pieces()
         device = pieces[0][0].device if pieces else self.model.engine.device
-        # from the stage's parameters, not this rank's pieces: every rank must reduce over the same axes
-        split = {a for _, p in self.model.named_parameters() for a in placement_of(p).sharded_over}
-        axes = ["pp"] + sorted(split) + ([ZERO_VIEW] if self.model.config.zero_stage else [])
-        axes = [a for a in axes if mesh.size(a) > 1]
+        axes = self._norm_axes
         sq = torch.zeros((), dtype=torch.float64, device=device)
         by_weight: dict[tuple[float, torch.dtype], list[torch.Tensor]] = {}
         for g, distinct in pieces:
