@@ -126,6 +126,11 @@ class ParallelSection(ParallelConfig):
     """Pipeline-parallel degree (stages)."""
     cp: int = 1
     """Context-parallel degree (ring attention over sequence chunks)."""
+    auto: bool = False
+    """Let the planner choose the layout: the one ``meshtrain plan --search`` ranks first for this model,
+    batch and machine (this-host on the CPU, the GPU's preset on CUDA), for as many ranks as
+    dp x tp x pp x cp above. It sets dp, tp, pp, cp, zero_stage, microbatches, schedule,
+    virtual_stages, activation_checkpointing, sequence_parallel and dp_replicate."""
 
     @property
     def world_size(self) -> int:

@@ -21,7 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .architectures import resolve_model
-from .clusters import Cluster, this_host
+from .clusters import Cluster
+from .host import this_host
 from .layout import parse_layout
 from .step import predict
 
@@ -29,8 +30,9 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("test", "dp=1"), ("test", "dp=2"), ("test", "dp=2,zero=3"), ("test", "tp=2"), ("test", "dp=2,tp=2"),
     ("test", "pp=2,m=2"), ("test", "cp=2"), ("5m", "dp=1"), ("5m", "dp=2,zero=1"), ("5m", "tp=2"),
     ("5m", "pp=2,m=4,afab"), ("5m", "dp=2,ac=full"), ("10m", "dp=2"), ("10m", "tp=2,pp=2,m=2"),
+    ("5m", "dp=4,rep=2,zero=3"),
 )
-"""Fourteen pairs of meshtrain presets and layouts of at most 4 ranks."""
+"""Fifteen pairs of meshtrain presets and layouts of at most 4 ranks."""
 
 DATA = ["--data.max_bytes=300000", "--data.vocab_size=512", "--checkpoint.enabled=false", "--no-progress"]
 VOCAB = 512  # the trained tokenizer's vocabulary, which sets the model's (see DATA)
@@ -42,7 +44,7 @@ def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq:
     ac = {"none": "none", "full": "full", "selective": "selective", "op": "selective"}[lay.ac]
     return ["train", f"--out={out}", f"--model.preset={model}", f"--train.steps={steps}", "--train.warmup_steps=1",
             f"--train.global_batch={global_batch}", f"--train.seq_len={seq}", "--train.precision=fp32",
-            "--train.device=cpu", f"--parallel.dp={lay.dp}", f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}",
+            "--train.device=cpu", f"--parallel.dp={lay.dp}", f"--parallel.dp_replicate={lay.dp_replicate}", f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}",
             f"--parallel.cp={lay.cp}", f"--parallel.zero_stage={lay.zero_stage}",
             f"--parallel.microbatches={lay.microbatches}", f"--parallel.schedule={lay.schedule}",
             f"--parallel.virtual_stages={lay.virtual}", f"--parallel.activation_checkpointing={ac}",

@@ -10,13 +10,11 @@ busbw = algbw * 2(p-1)/p), so a ring all-reduce of n bytes costs n * 2(p-1)/p / 
 from __future__ import annotations
 
 import difflib
-import json
-import os
 import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
-from ..comm.select import DEFAULTS, CostModel, cache_path
+from ..comm.select import CostModel
 from ..errors import ConfigError
 
 GiB = 1 << 30
@@ -71,14 +69,25 @@ class Cluster:
     reduce_gamma: float = 0.0
     """Seconds per byte reduced on top of moving it: 0 for NCCL, whose kernels reduce in the same pass
     that moves the data (nccl-tests' bus bandwidth already includes it); the cost model's gamma on a host."""
+    profile_compute: bool = False
+    """Time blocks, the head and the optimizer on this machine (``profile.py``) instead of the roofline:
+    only ``this-host`` can, and there the roofline misses the framework's per-op overhead."""
+    base_memory_bytes: float = 0.0
+    """Bytes every rank holds before training starts: on a host the interpreter, torch and meshtrain
+    (counted in the resident set); 0 on GPUs, whose allocator counts only tensors."""
     notes: str = ""
 
     def per_rank_peak(self, world: int, precision: str) -> float:
-        """Matmul peak one rank gets (FLOP/s) at ``precision``; on a host the ranks share the cores."""
+        """Matmul peak one rank gets (FLOP/s) at ``precision``; on a host the ranks split the cores
+        (meshtrain's launcher gives each of ``world`` local ranks cores / world intra-op threads)."""
         peak = self.fp32_flops if precision == "fp32" else self.peak_flops
-        if self.memory_shared:
-            return peak / max(world, self.cores, 1)
-        return peak
+        return peak / max(world, 1) if self.memory_shared else peak
+
+    def per_rank_bandwidth(self, world: int) -> float:
+        """Bytes/s one rank's element-wise kernels move (``hbm_efficiency`` of the memory bandwidth;
+        on a host the ranks split it, as they split the cores)."""
+        rate = self.hbm_bandwidth * self.hbm_efficiency
+        return rate / max(world, 1) if self.memory_shared else rate
 
     def memory_per_rank(self, world: int) -> float:
         """Bytes one rank may use (a host's memory is shared by the ranks on it)."""
@@ -156,44 +165,13 @@ def load_toml(path: Path) -> Cluster:
     return Cluster(**raw)
 
 
-def _cached_cost_model() -> CostModel:
-    """The shm transport's model from ``meshtrain bench comm --calibrate``'s cache, else the default."""
-    try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        data = {}
-    for key, value in sorted(data.items()):
-        if key.startswith("shm"):
-            return CostModel(**value)
-    return DEFAULTS["shm"]
-
-
-def this_host(peak: float | None = None) -> Cluster:
-    """This machine as a cluster of CPU ranks: the calibrated cost model (or the default) for both
-    levels, the measured matmul peak (``measure_cpu_peak`` over all cores, through ``device_peak``,
-    which keeps the highest figure seen: a busy moment reads low), its RAM shared by the ranks."""
-    import torch
-
-    from ..train.metrics import device_peak
-
-    model = _cached_cost_model()
-    cores = os.cpu_count() or 1
-    host_peak = peak if peak is not None else device_peak(torch.device("cpu"))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    level = Level(model.alpha, 1.0 / model.beta)
-    # one node holding every rank: 720720 = lcm(1..16), so any degree up to 16 divides it
-    return Cluster(name="this-host", gpus_per_node=720720, memory_bytes=float(ram), peak_flops=host_peak,
-                   fp32_flops=host_peak, hbm_bandwidth=10e9, intra=level, inter=level,
-                   matmul_efficiency=0.8, attention_efficiency=0.3, hbm_efficiency=0.5,
-                   eager_elementwise_passes=3.0, reserved_bytes=1 * GiB, backend="host",
-                   memory_shared=True, cores=cores, reduce_gamma=model.gamma, notes=f"this host, cost model {model.source}")
-
-
 def resolve_cluster(spec: str) -> Cluster:
     """A cluster by preset name, ``this-host``, or a TOML file; ConfigError names the nearest preset."""
     if spec in PRESETS:
         return PRESETS[spec]
     if spec == "this-host":
+        from .host import this_host  # measures this machine (imports torch)
+
         return this_host()
     path = Path(spec)
     if spec.endswith(".toml") or path.is_file():

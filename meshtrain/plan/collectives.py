@@ -7,7 +7,7 @@ link the group crosses, plus a two-level hierarchical algorithm priced per level
 each node on ``intra``, a ring of nodes on ``inter``, one NIC per GPU so every rail runs in
 parallel). ``auto`` is the cheapest of them: what ``select.choose`` does from its cost model; on
 NCCL clusters it takes NCCL's native collectives, whose ring/tree choice these same formulas
-describe. The mesh is ordered (dp, pp, cp, tp) with tp innermost, as in ``meshtrain.mesh``.
+describe. The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in ``meshtrain.mesh``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .layout import Layout
 FLAT = {"all_reduce": ("ring", "tree", "halving_doubling", "recursive_doubling"),
         "all_gather": ("ring", "recursive_doubling"),
         "reduce_scatter": ("ring",)}
-ORDER = ("dp", "pp", "cp", "tp")
+ORDER = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+"""The mesh's axes, slowest first (``meshtrain.mesh``); "dp" is dp_replicate x dp_shard."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Group:
 def group_of(layout: Layout, cluster: Cluster, dims: tuple[str, ...]) -> Group:
     """The group of mesh dimensions ``dims`` (e.g. ("tp",), ("dp", "cp")): its size and members per node."""
     size, local = 1, 1
+    dims = tuple(a for d in dims for a in (("dp_replicate", "dp_shard") if d == "dp" else (d,)))
     for d in dims:
         deg = getattr(layout, d)
         inner = math.prod(getattr(layout, e) for e in ORDER[ORDER.index(d) + 1:])

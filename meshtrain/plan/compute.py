@@ -19,6 +19,7 @@ from ..train.metrics import flops_per_token
 from .architectures import Arch
 from .clusters import Cluster
 from .layout import Layout
+from .profile import block_seconds, head_seconds, profileable, threads_per_rank
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes per activation element: fp8 training keeps bf16 activations between the linear layers."""
@@ -59,7 +60,7 @@ def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: in
     split = (2 * (arch.dim + arch.kv_dim) + (3 if arch.gated_mlp else 2) * arch.ffn_dim) / layout.tp
     passes = 1.0 if layout.compile else cluster.eager_elementwise_passes
     elem_bytes = (stream + split) * act * passes * tokens
-    elem_rate = cluster.hbm_bandwidth * cluster.hbm_efficiency
+    elem_rate = cluster.per_rank_bandwidth(layout.world)
     return mm_flops / mm_rate, attn_flops / attn_rate, elem_bytes / elem_rate
 
 
@@ -68,7 +69,7 @@ def head_forward(arch: Arch, layout: Layout, cluster: Cluster, tokens: int) -> f
     peak = cluster.per_rank_peak(layout.world, layout.precision)
     flops = 2.0 * arch.vocab_size * arch.dim / layout.tp * tokens
     loss_bytes = 3 * 4 * arch.vocab_size / layout.tp * tokens  # fp32 logits: softmax read, write, read
-    return flops / (peak * cluster.matmul_efficiency) + loss_bytes / (cluster.hbm_bandwidth * cluster.hbm_efficiency)
+    return flops / (peak * cluster.matmul_efficiency) + loss_bytes / cluster.per_rank_bandwidth(layout.world)
 
 
 def stage_layers(arch: Arch, layout: Layout) -> int:
@@ -84,9 +85,15 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
     n = stage_layers(arch, layout)
     fwd_layer = mm + attn + elem
     bwd_layer = 2 * mm + 2.5 * attn + 2 * elem
+    head_f = head_forward(arch, layout, cluster, tokens)
+    head_b = 2 * head_f
+    if cluster.profile_compute and layout.precision == "fp32" and profileable(arch, layout.tp, tokens):
+        threads = threads_per_rank(layout.world)  # measured, not a roofline: see profile.py
+        # timed while every rank of the layout does the same: they share the host's cores and caches
+        fwd_layer, bwd_layer = block_seconds(arch, layout.tp, microbatch_seqs, seq // layout.cp, threads, layout.world)
+        head_f, head_b = head_seconds(arch, layout.tp, tokens, threads, layout.world)
     recompute_layer = {"none": 0.0, "full": fwd_layer, "selective": fwd_layer / 2, "op": elem}[layout.ac]
-    head = head_forward(arch, layout, cluster, tokens)
-    forward = n * fwd_layer + head
+    forward = n * fwd_layer + head_f
     recompute = n * recompute_layer
-    backward = n * bwd_layer + recompute + 2 * head
+    backward = n * bwd_layer + recompute + head_b
     return StageCompute(forward, backward, recompute, n)

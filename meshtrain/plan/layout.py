@@ -38,6 +38,19 @@ class Layout:
     """Split the residual stream over tp (Megatron SP); only meaningful with tp > 1."""
     compile: bool = False
     """Element-wise ops fused (torch.compile) rather than run eagerly."""
+    dp_replicate: int = 1
+    """Of dp, the replicas of ZeRO's shards (HSDP): ZeRO shards over dp / dp_replicate x cp and
+    all-reduces each shard's gradient over the replicas."""
+
+    @property
+    def dp_shard(self) -> int:
+        """The dp ranks one ZeRO shard group holds (dp / dp_replicate)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO shards parameters / gradients / optimizer state over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def world(self) -> int:
@@ -56,12 +69,15 @@ class Layout:
             parts += [f"m={self.microbatches}", self.schedule] + ([f"v={self.virtual}"] if self.virtual > 1 else [])
         elif self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
+        if self.dp_replicate > 1:
+            parts.append(f"rep={self.dp_replicate}")
         return ",".join(parts + [f"zero={self.zero_stage}", f"ac={self.ac}"])
 
 
 _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "microbatches": "microbatches",
          "v": "virtual", "virtual": "virtual", "zero": "zero_stage", "zero_stage": "zero_stage", "ac": "ac",
-         "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel"}
+         "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel", "rep": "dp_replicate",
+         "dp_replicate": "dp_replicate"}
 
 
 def parse_layout(text: str, **defaults) -> Layout:
@@ -105,9 +121,12 @@ def _nearest_dp(layout: Layout, gpus: int) -> str:
 def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int) -> None:
     """Raise ConfigError if ``layout`` cannot run ``arch`` on ``gpus`` with this batch; the message
     names the nearest valid choice."""
-    for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual"):
+    for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual", "dp_replicate"):
         if getattr(layout, name) < 1:
             raise ConfigError(f"layout {name}={getattr(layout, name)} must be >= 1")
+    if layout.dp % layout.dp_replicate:
+        ok = [r for r in range(1, layout.dp + 1) if layout.dp % r == 0]
+        raise ConfigError(f"rep={layout.dp_replicate} does not divide dp={layout.dp}; use one of {ok}")
     if layout.world != gpus:
         raise ConfigError(f"layout {layout.label()} uses {layout.world} GPUs, not --gpus {gpus}; nearest "
                           f"that fills them: {_nearest_dp(layout, gpus)}")

@@ -38,11 +38,13 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     buffers: float
+    runtime: float = 0.0
+    """What the process holds before training (a host's interpreter and torch; 0 on GPUs)."""
 
     @property
     def total(self) -> float:
         """Sum of the parts."""
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.runtime
 
     def as_dict(self) -> dict[str, float]:
         """The parts and the total, for JSON."""
@@ -98,7 +100,7 @@ def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int
 def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> MemoryBreakdown:
     """Peak bytes of one rank under ``layout``."""
     p = stage_params(arch, layout)
-    shard = layout.dp * layout.cp  # meshtrain's ZeRO shards over the dp x cp group
+    shard = layout.zero_shards  # meshtrain's ZeRO shards over dp_shard x cp (HSDP: dp_replicate copies)
     z = layout.zero_stage
     params = p * MASTER / (shard if z >= 3 else 1)
     grads = p * GRAD / (shard if z >= 2 else 1)

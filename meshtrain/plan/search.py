@@ -2,7 +2,8 @@
 
 For each (tp, cp, pp, dp) that divides the GPUs (tp inside a node and splitting the heads, cp
 dividing the sequence, pp at most the layers, dp dividing the batch), a few micro-batch counts,
-the pipeline schedules and every ZeRO stage are tried; activation checkpointing is the least
+the pipeline schedules, every ZeRO stage and, with ZeRO, HSDP replica counts whose shard groups
+span 1, 2 or 4 nodes are tried; activation checkpointing is the least
 recomputation that fits (none, selective, full: each saves memory at more compute; torchtitan's
 "op" only when asked), unless the caller fixed it. Settings the caller fixes (precision, ac, zero stage, schedule) are kept.
 """
@@ -37,6 +38,13 @@ def _microbatch_choices(local: int, pp: int, interleaved: bool) -> list[int]:
     return sorted({capped[0], capped[len(capped) // 2], capped[-1], valid[-1]})
 
 
+def _replicas(dp: int, others: int, per_node: int) -> list[int]:
+    """HSDP replica counts worth pricing: none (1), and those whose ZeRO shard groups span 1, 2 or 4
+    nodes (with the other dimensions): gathers stay on the fast links, replicas all-reduce across."""
+    spans = {per_node, 2 * per_node, 4 * per_node}
+    return [1] + [r for r in range(2, dp + 1) if dp % r == 0 and dp // r * others in spans]
+
+
 def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int,
                fixed: dict) -> Iterator[Layout]:
     """Every layout the search prices (activation checkpointing left to ``search``)."""
@@ -59,8 +67,9 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                             zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else \
                                 ([0, 1, 2, 3] if dp * cp > 1 else [0])
                             for z in zeros:
-                                yield replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
-                                              schedule=sched, zero_stage=z)
+                                for rep in _replicas(dp, tp * pp * cp, cluster.gpus_per_node) if z else [1]:
+                                    yield replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
+                                                  schedule=sched, zero_stage=z, dp_replicate=rep)
 
 
 def search(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int, fixed: dict | None = None,

@@ -13,7 +13,7 @@ and the optimizer's memory-bound update are added after the pipeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..parallel.pipeline.schedule import bubble_fraction, build_schedule, simulate
@@ -22,6 +22,7 @@ from .clusters import Cluster
 from .collectives import collective, group_of, p2p
 from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
+from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .memory import GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
 
 
@@ -121,15 +122,19 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     # data parallel / ZeRO over dp x cp, on this rank's stage parameters
     dp_exposed, opt_params = _data_parallel(arch, cluster, layout, sc, f - pp_f, b - pp_b, algos)
     # AdamW: read params, grads, two moments; write params and moments (fp32) at memory speed
-    optimizer = opt_params * 28 / (cluster.hbm_bandwidth * cluster.hbm_efficiency)
+    optimizer = opt_params * 28 / cluster.per_rank_bandwidth(layout.world)
+    if cluster.profile_compute:  # a host's AdamW loops over tensors: per-tensor overhead, so time it
+        sizes = stage_tensor_sizes(arch, layout.tp, sc.layers, layout.zero_shards, layout.zero_stage, True)
+        if sum(sizes) <= MAX_PROFILED_ELEMENTS:
+            optimizer = optimizer_seconds(sizes, threads_per_rank(layout.world), layout.world)
 
     step = makespan + dp_exposed + optimizer
     parts = {"compute": m * (sc.forward + sc.backward), "tp": m * (tp_f + tp_b), "cp": m * (cp_f + cp_b),
              "pp": m * (pp_f + pp_b), "dp": dp_exposed, "bubble": max(0.0, makespan - busy), "optimizer": optimizer}
     mem = memory_per_rank(arch, layout, mb, seq)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
-        mem = MemoryBreakdown(mem.params, mem.grads, mem.optimizer, mem.activations,
-                              mem.buffers + stage_params(arch, layout) * act)
+        mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * act)
+    mem = replace(mem, runtime=cluster.base_memory_bytes)
     tok = global_batch * seq / step / layout.world
     mfu = tok * model_flops_per_token(arch, seq) / cluster.per_rank_peak(layout.world, "bf16")
     return Prediction(layout, step, parts, mem, cluster.memory_per_rank(layout.world), tok, mfu, algos)
@@ -138,24 +143,30 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
 def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,
                    algos: dict[str, str]) -> tuple[float, float]:
     """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates)."""
-    shard = layout.dp * layout.cp
     p = stage_params(arch, layout)
-    if shard == 1:
+    if layout.dp * layout.cp == 1:
         return 0.0, p
-    g = group_of(layout, cluster, ("dp", "cp"))
     z = layout.zero_stage
     layers = max(sc.layers, 1)
-    if z == 0:
+    if z == 0:  # every dp x cp rank a replica: one all-reduce, bucketed behind the backward
+        g = group_of(layout, cluster, ("dp", "cp"))
         t, algos["dp all_reduce"] = collective("all_reduce", p * GRAD, g, cluster)
         return max(0.0, t - b) + t / layers, p
+    shard = layout.zero_shards
+    g = group_of(layout, cluster, ("dp_shard", "cp"))
     rs, algos["dp reduce_scatter"] = collective("reduce_scatter", p * GRAD, g, cluster)
+    # HSDP: each shard's gradient is then all-reduced over the replicas, at the step (exposed)
+    rep_t = 0.0
+    if layout.dp_replicate > 1:
+        rep_t, algos["dp_replicate all_reduce"] = collective(
+            "all_reduce", p * GRAD / shard, group_of(layout, cluster, ("dp_replicate",)), cluster)
     if z in (1, 2):  # gradients reduce-scatter behind the last backward; updated params gathered after
         ag, algos["dp all_gather"] = collective("all_gather", p * MASTER, g, cluster)
-        return max(0.0, rs - b) + rs / layers + ag, p / shard
+        return max(0.0, rs - b) + rs / layers + rep_t + ag, p / shard
     # ZeRO-3: weights gathered in the compute dtype before each forward and again before each backward
     # (once per step under a pipeline, which keeps them gathered across micro-batches)
     gather_bytes = p * (MASTER if layout.precision == "fp32" else 2)
     ag, algos["dp all_gather"] = collective("all_gather", gather_bytes, g, cluster)
     times = layout.microbatches if layout.pp == 1 else 1
     exposed = times * (max(0.0, ag - f) + ag / layers + max(0.0, ag + rs / times - b) + rs / times / layers)
-    return exposed, p / shard
+    return exposed + rep_t, p / shard

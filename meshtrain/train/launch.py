@@ -108,10 +108,15 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict
     resolve_out(config)
     if max_restarts and not config.checkpoint.resume:
         config.checkpoint.resume = "auto"
-    validate(config)
+    if not config.parallel.auto:
+        validate(config)  # with auto, the layout is checked once chosen (below)
     from .tokenizer import prepare_data
 
-    prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
+    _, tokenizer, _ = prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
+    if config.parallel.auto:
+        from ..plan.auto import choose_layout, describe
+
+        print(describe(choose_layout(config, tokenizer.vocab_size)), file=sys.stderr, flush=True)
     if config.train.device in ("cpu", "auto") and not torch.cuda.is_available():
         from .metrics import device_peak
 
@@ -143,6 +148,11 @@ def main_torchrun(argv: list[str] | None = None) -> int:
         config = load_config(path, args)
     except MeshtrainError as exc:
         print(f"meshtrain.train: error: {exc}", file=sys.stderr)
+        return 2
+    if config.parallel.auto:  # every rank would plan alone, and the plans could differ
+        print("meshtrain.train: error: parallel.auto = true chooses the layout before the ranks start, which "
+              "torchrun does not let it do; run `meshtrain plan --cluster this-host --search ...` (or launch with "
+              "`meshtrain train --parallel.auto=true`) and pass the layout it ranks first", file=sys.stderr)
         return 2
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and not config.checkpoint.resume:
         # torchrun --max-restarts N: a restarted attempt must continue from the last checkpoint,

@@ -77,11 +77,21 @@ def device_peak(device: torch.device, refresh: bool = True) -> float:
     return flops
 
 
+def resident_peak_bytes() -> int:
+    """This process's resident-set high-water mark: Linux's VmHWM, which (unlike ``ru_maxrss``) a
+    process does not inherit from the parent that forked it; ``ru_maxrss`` elsewhere."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: CUDA's allocator peak, or the resident set's high-water mark."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return resident_peak_bytes()
 
 
 class MetricsLogger:

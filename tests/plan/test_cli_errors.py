@@ -8,7 +8,8 @@ import pytest
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
 from meshtrain.plan.architectures import ARCHS, resolve_model
-from meshtrain.plan.clusters import PRESETS, resolve_cluster, this_host
+from meshtrain.plan.clusters import PRESETS, resolve_cluster
+from meshtrain.plan.host import this_host
 from meshtrain.plan.layout import Layout, parse_layout, validate
 from meshtrain.plan.search import search
 from meshtrain.plan.step import predict

@@ -144,3 +144,26 @@ def test_afab_holds_m_microbatches_where_1f1b_holds_pp():
     all_ = activation_memory(a, Layout(pp=pp, microbatches=m, schedule="afab"), 1, 1024)
     logits = 1024 * 2 * 4 * a.vocab_size  # held once, for the micro-batch in the loss
     assert (all_ - logits) / (one - logits) == pytest.approx(m / pp)
+
+
+def test_hsdp_shards_over_dp_shard_and_all_reduces_shards_over_replicas():
+    from meshtrain.errors import ConfigError
+    from meshtrain.plan.layout import parse_layout
+
+    a = ARCHS["llama3-8b"]
+    flat = parse_layout("dp=64,zero=3")
+    hsdp = parse_layout("dp=64,rep=8,zero=3")
+    assert hsdp.label() == "dp=64,tp=1,pp=1,cp=1,rep=8,zero=3,ac=none" and hsdp.zero_shards == 8
+    # ZeRO-3 state is 16 bytes per parameter over the shard group: 8 ranks instead of 64
+    p = stage_params(a, flat)
+    assert memory_per_rank(a, flat, 1, 8192).params == pytest.approx(p * 4 / 64)
+    assert memory_per_rank(a, hsdp, 1, 8192).params == pytest.approx(p * 4 / 8)
+    # mesh order (dp_replicate, dp_shard, pp, cp, tp): the 8 shards are one node, the 8 replicas 8 nodes
+    assert group_of(hsdp, H100, ("dp_shard", "cp")) == Group(8, 8)
+    assert group_of(hsdp, H100, ("dp_replicate",)) == Group(8, 1)
+    assert group_of(hsdp, H100, ("dp", "cp")) == group_of(flat, H100, ("dp", "cp")) == Group(64, 8)
+    pred = predict(a, H100, hsdp, 64, 8192)
+    rep_t, _ = collective("all_reduce", p * 4 / 8, Group(8, 1), H100)
+    assert "dp_replicate all_reduce" in pred.algorithms and pred.parts["dp"] >= rep_t > 0
+    with pytest.raises(ConfigError, match="rep=3 does not divide dp=64"):
+        predict(a, H100, parse_layout("dp=64,rep=3,zero=3"), 64, 8192)

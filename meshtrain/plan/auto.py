@@ -1,0 +1,88 @@
+"""``meshtrain train --parallel.auto=true``: the layout ``meshtrain plan --search`` ranks first for the
+run's model, batch and ranks on the machine it runs on.
+
+The number of ranks stays what the given degrees multiply to (dp x tp x pp x cp, 4 by default); the
+planner reshapes it: dp, tp, pp, cp, ZeRO stage, HSDP replicas, micro-batches, schedule, virtual
+stages, activation checkpointing and sequence parallelism. The machine is ``this-host`` on the CPU, or the
+GPU preset of the device's name. Layouts ``meshtrain train`` would reject (its checks are stricter
+than the planner's in places, e.g. cp needs seq_len divisible by 2 x cp) are skipped in rank order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .architectures import from_llama_config
+from .clusters import PRESETS, Cluster
+from .search import search
+from .step import Prediction
+
+DEVICE_PRESETS = {"H100": "h100", "H200": "h200", "A100": "a100"}
+"""A CUDA device name's marker -> the cluster preset that prices it."""
+
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "schedule", "virtual_stages",
+                 "activation_checkpointing", "sequence_parallel", "dp_replicate")
+"""The ``[parallel]`` keys auto sets."""
+
+
+def cluster_for(device: str) -> Cluster:
+    """The cluster the run's device is priced on: ``this-host`` for the CPU, else the GPU's preset."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        from .host import this_host
+
+        return this_host()
+    name = torch.cuda.get_device_name(0)
+    for marker, preset in DEVICE_PRESETS.items():
+        if marker in name:
+            return PRESETS[preset]
+    raise ConfigError(f"parallel.auto = true: no cluster preset prices a {name!r} (known: "
+                      f"{', '.join(DEVICE_PRESETS)}); set the layout yourself (meshtrain plan --cluster FILE.toml "
+                      f"--search suggests one) and parallel.auto = false")
+
+
+def _settings(pred: Prediction) -> dict[str, Any]:
+    lay = pred.layout
+    return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage,
+            "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual_stages": lay.virtual,
+            "activation_checkpointing": lay.ac, "sequence_parallel": lay.sp, "dp_replicate": lay.dp_replicate}
+
+
+def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, top: int = 50) -> Prediction:
+    """Set ``config.parallel``'s layout to the fastest layout the plan ranks that ``meshtrain train``
+    accepts (and ``auto`` to false, so the run's saved config is the layout it ran); returns its
+    prediction. ConfigError if none fits or passes the run's checks."""
+    from ..config.check import model_config, validate
+
+    p, t = config.parallel, config.train
+    world = p.dp * p.tp * p.pp * p.cp
+    cluster = cluster if cluster is not None else cluster_for(t.device)
+    arch = from_llama_config(config.model.preset, model_config(config, vocab_size))
+    fixed = {"precision": t.precision, "compile": t.compile}
+    ranked = search(arch, cluster, world, t.global_batch, t.seq_len, fixed, top=top)
+    saved = {k: getattr(p, k) for k in LAYOUT_FIELDS}
+    reasons: list[str] = []
+    for pred in ranked:
+        for key, value in _settings(pred).items():
+            setattr(p, key, value)
+        try:
+            validate(config)
+        except ConfigError as e:
+            reasons.append(f"{pred.layout.label()}: {e}")
+            continue
+        p.auto = False
+        return pred
+    for key, value in saved.items():
+        setattr(p, key, value)
+    raise ConfigError(f"parallel.auto = true: none of the {len(ranked)} layouts the plan ranks for {world} ranks "
+                      f"passes meshtrain train's checks (first: {reasons[0] if reasons else '-'}); set the layout "
+                      f"yourself and parallel.auto = false")
+
+
+def describe(pred: Prediction) -> str:
+    """One line for the run's log: the chosen layout and what the plan predicts for it."""
+    return (f"parallel.auto: {pred.layout.label()} (predicted {pred.step_time * 1e3:.1f} ms/step, "
+            f"{pred.memory.total / 2**20:.0f} MiB/rank)")
+

@@ -1,0 +1,181 @@
+"""Measured compute for ``this-host``: time one meshtrain block, and the output head, at the shapes
+one rank runs, instead of a roofline.
+
+On a CPU the roofline misses most of a small model's time: the framework's per-op overhead (a few
+microseconds for each of the ~120 aten ops of a block's forward and ~160 of its backward),
+broadcasting element-wise kernels well below the streaming bandwidth, and an unfused attention.
+Operator profiling is how vTrain and Alpa price compute; the planner does it per block, in
+isolation (no training step is timed): a ``Block`` whose linears are narrowed to 1/tp (the heads
+a rank holds follow from their widths, as under meshtrain's tensor parallelism), on the rank's
+micro-batch, with the intra-op threads the launcher would give that rank. Communication, the
+pipeline schedule and the optimizer stay analytic.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from functools import lru_cache
+from typing import Any, Callable
+
+from .architectures import Arch
+from .corun import together
+
+MAX_PROFILED_FLOPS = 5e9
+"""A block forward above this many FLOPs is priced by the roofline (profiling it would take seconds)."""
+MAX_PROFILED_ELEMENTS = 50_000_000
+"""An optimizer over more elements than this is priced by memory bandwidth (its tensors would take GBs)."""
+
+
+def threads_per_rank(world: int) -> int:
+    """Intra-op threads meshtrain's launcher gives each of ``world`` ranks on this host (``share_cores``)."""
+    return max(1, (os.cpu_count() or 1) // max(world, 1))
+
+
+def _median_times(forward: Callable[[], Any], budget: float = 0.4, most: int = 60) -> tuple[float, float]:
+    """Seconds of ``forward()``, which returns (output, gradient or None), and of the output's
+    backward: the two medians, scaled so that their sum is the loop's wall time per repetition."""
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out, grad = forward()
+        t1 = time.perf_counter()
+        out.backward(grad)
+        return t1 - t0, time.perf_counter() - t1
+
+    warm = time.perf_counter()
+    for _ in range(20):  # warm-up: the allocator, kernel selection, the thread pool's first wake-ups
+        run()
+        if time.perf_counter() - warm > budget / 4:
+            break
+    fwd: list[float] = []
+    bwd: list[float] = []
+    start = time.perf_counter()
+    while len(fwd) < most and (len(fwd) < 5 or time.perf_counter() - start < budget):
+        f, b = run()
+        fwd.append(f)
+        bwd.append(b)
+    # the medians split forward from backward; the loop's wall time per repetition sets their sum,
+    # so the time slices a rank waits while others hold the cores are counted, as a run pays them
+    f, b = statistics.median(fwd), statistics.median(bwd)
+    scale = (time.perf_counter() - start) / len(fwd) / max(f + b, 1e-12)
+    return f * scale, b * scale
+
+
+def profileable(arch: Arch, tp: int, tokens: int) -> bool:
+    """True if a rank's block is a meshtrain Llama block small enough to time quickly."""
+    return arch.gated_mlp and 2.0 * arch.matmul_params_per_layer() / tp * tokens <= MAX_PROFILED_FLOPS
+
+
+def _measured(fn: Callable[..., Any], copies: int, *args: Any) -> Any:
+    """``fn(*args)`` here, or the median over ``copies`` processes running it at once (``corun``)."""
+    if copies <= 1:
+        return fn(*args)
+    results = together(copies, fn, *args)
+    if isinstance(results[0], tuple):
+        return tuple(statistics.median(r[i] for r in results) for i in range(len(results[0])))
+    return statistics.median(results)
+
+
+@lru_cache(maxsize=512)
+def block_seconds(arch: Arch, tp: int, batch: int, seq: int, threads: int, copies: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one block on ``batch`` x ``seq`` tokens, with its linears split
+    ``tp`` ways, measured with ``threads`` intra-op threads while ``copies`` ranks do the same."""
+    return _measured(_block, copies, arch, tp, batch, seq, threads)
+
+
+@lru_cache(maxsize=512)
+def head_seconds(arch: Arch, tp: int, tokens: int, threads: int, copies: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of the final norm, the output head (vocabulary split ``tp`` ways)
+    and the cross-entropy loss on ``tokens`` tokens, measured as ``block_seconds`` is."""
+    return _measured(_head, copies, arch, tp, tokens, threads)
+
+
+@lru_cache(maxsize=512)
+def optimizer_seconds(sizes: tuple[int, ...], threads: int, copies: int = 1) -> float:
+    """Seconds of one ``torch.optim.AdamW`` step (its CPU default: a loop over the tensors) over fp32
+    tensors of ``sizes`` elements with gradients, measured as ``block_seconds`` is."""
+    return _measured(_optimizer, copies, sizes, threads)
+
+
+def _block(arch: Arch, tp: int, batch: int, seq: int, threads: int) -> tuple[float, float]:
+    import torch
+    from torch import nn
+
+    from ..models.llama import Block, LlamaConfig, rotary_table
+
+    cfg = LlamaConfig(vocab_size=arch.vocab_size, dim=arch.dim, n_layers=1, n_heads=arch.n_heads,
+                      n_kv_heads=arch.n_kv_heads, ffn_dim=arch.ffn_dim, max_seq_len=seq)
+    hd = cfg.head_dim
+    heads, kv = max(1, arch.n_heads // tp), max(1, arch.n_kv_heads // tp)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        block = Block(cfg)
+        block.attn.wq, block.attn.wk = nn.Linear(arch.dim, heads * hd, bias=False), nn.Linear(arch.dim, kv * hd, bias=False)
+        block.attn.wv, block.attn.wo = nn.Linear(arch.dim, kv * hd, bias=False), nn.Linear(heads * hd, arch.dim, bias=False)
+        ffn = max(1, arch.ffn_dim // tp)
+        block.mlp.w1, block.mlp.w3 = nn.Linear(arch.dim, ffn, bias=False), nn.Linear(arch.dim, ffn, bias=False)
+        block.mlp.w2 = nn.Linear(ffn, arch.dim, bias=False)
+        cos, sin = rotary_table(hd, torch.arange(seq), cfg.rope_theta)
+        x = torch.randn(batch, seq, arch.dim, requires_grad=True)
+        grad = torch.randn(batch, seq, arch.dim)
+        return _median_times(lambda: (block(x, cos, sin), grad))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _head(arch: Arch, tp: int, tokens: int, threads: int) -> tuple[float, float]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from ..models.llama import RMSNorm
+
+    vocab = max(1, arch.vocab_size // tp)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        norm, head = RMSNorm(arch.dim, 1e-5), nn.Linear(arch.dim, vocab, bias=False)
+        x = torch.randn(tokens, arch.dim, requires_grad=True)
+        target = torch.randint(0, vocab, (tokens,))
+
+        return _median_times(lambda: (F.cross_entropy(head(norm(x)).float(), target), None))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def stage_tensor_sizes(arch: Arch, tp: int, layers: int, shard: int, zero_stage: int, ends: bool) -> tuple[int, ...]:
+    """Elements of each tensor the rank's optimizer steps: a stage's weights split over tp, one per
+    weight without ZeRO; under ZeRO one flat shard (1/shard) per block and one for the rest."""
+    kv, hd = arch.n_kv_heads * arch.head_dim, arch.head_dim
+    q = arch.n_heads * hd
+    block = [arch.dim, arch.dim, arch.dim * q // tp, arch.dim * kv // tp, arch.dim * kv // tp, q * arch.dim // tp,
+             *[arch.dim * arch.ffn_dim // tp] * 3]
+    rest = [arch.vocab_size * arch.dim // tp, arch.dim, arch.vocab_size * arch.dim // tp] if ends else []
+    if zero_stage == 0:
+        return tuple(block * layers + rest)
+    shards = [max(1, sum(block) // shard)] * layers + ([max(1, sum(rest) // shard)] if rest else [])
+    return tuple(shards)
+
+
+def _optimizer(sizes: tuple[int, ...], threads: int) -> float:
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params = [torch.zeros(n, requires_grad=True) for n in sizes]
+        for p in params:
+            p.grad = torch.randn(p.numel())
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt.step()
+        steps = 0
+        start = time.perf_counter()
+        while steps < 5 or (steps < 60 and time.perf_counter() - start < 0.4):
+            opt.step()
+            steps += 1
+        seconds = (time.perf_counter() - start) / steps  # wall time: time slices count, as in _median_times
+    finally:
+        torch.set_num_threads(saved)
+    return seconds
