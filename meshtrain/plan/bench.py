@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .architectures import resolve_model
 from .clusters import Cluster
+from .corun import stop as stop_profiling
 from .host import this_host
 from .layout import parse_layout
 from .step import predict
@@ -71,6 +72,7 @@ def compare(model: str, layout_text: str, cluster: Cluster, steps: int, global_b
     """Predicted and measured step time and memory of one pair, with their ratios."""
     arch = replace(resolve_model(model), vocab_size=VOCAB, tie_embeddings=False)
     pred = predict(arch, cluster, parse_layout(layout_text, precision="fp32"), global_batch, seq)
+    stop_profiling()  # the profiling processes (this-host) would share the cores with the run
     got = measure(model, layout_text, steps, global_batch, seq, out)
     return {"model": model, "layout": pred.layout.label(), "predicted_step_s": pred.step_time,
             "measured_step_s": got["step_s"], "step_ratio": pred.step_time / got["step_s"],

@@ -20,6 +20,7 @@ from .architectures import Arch
 from .clusters import Cluster
 from .layout import Layout
 from .profile import block_seconds, head_seconds, profileable, threads_per_rank
+from .profile_parallel import measures_collectives, parallel_block_seconds
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes per activation element: fp8 training keeps bf16 activations between the linear layers."""
@@ -36,6 +37,9 @@ class StageCompute:
     """The part of ``backward`` that recomputes the forward (activation checkpointing)."""
     layers: int
     """Transformer blocks on the busiest stage."""
+    comm_measured: bool = False
+    """True if forward and backward were timed with the block's tp / cp collectives in them
+    (``this-host``'s parallel profile), so the step must not add their analytic times again."""
 
 
 def model_flops_per_token(arch: Arch, seq: int) -> float:
@@ -77,6 +81,18 @@ def stage_layers(arch: Arch, layout: Layout) -> int:
     return math.ceil(arch.n_layers / layout.pp)
 
 
+def _pipeline_share(layout: Layout, cores: int) -> float:
+    """The profile times every rank computing at once; in a pipeline each rank idles for the bubble's
+    share of the step and leaves the cores to the others. With more ranks than cores, the time one
+    rank's work takes scales with the ranks busy at once: world x (1 - bubble) rather than world."""
+    if layout.pp == 1 or layout.world <= cores:
+        return 1.0
+    from .step import simulated_bubble  # step builds on this module
+
+    busy = layout.world * (1.0 - simulated_bubble(layout.schedule, layout.pp, layout.microbatches, layout.virtual))
+    return max(1.0, busy / cores) / (layout.world / cores)
+
+
 def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs: int, seq: int) -> StageCompute:
     """Forward, backward and recompute seconds of one micro-batch on the busiest stage (the last:
     its blocks plus the head)."""
@@ -87,13 +103,23 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
     bwd_layer = 2 * mm + 2.5 * attn + 2 * elem
     head_f = head_forward(arch, layout, cluster, tokens)
     head_b = 2 * head_f
+    measured = False
     if cluster.profile_compute and layout.precision == "fp32" and profileable(arch, layout.tp, tokens):
         threads = threads_per_rank(layout.world)  # measured, not a roofline: see profile.py
         # timed while every rank of the layout does the same: they share the host's cores and caches
-        fwd_layer, bwd_layer = block_seconds(arch, layout.tp, microbatch_seqs, seq // layout.cp, threads, layout.world)
+        if measures_collectives(layout.tp, layout.cp, layout.zero_shards, layout.zero_stage):
+            measured = True  # meshtrain's parallel block, its collectives included
+            degrees = (layout.dp, layout.dp_replicate, layout.pp, layout.cp, layout.tp)
+            zero3 = layout.zero_stage == 3 and layout.zero_shards > 1
+            fwd_layer, bwd_layer = parallel_block_seconds(arch, degrees, layout.sp, zero3, microbatch_seqs, seq,
+                                                          threads)
+        else:
+            fwd_layer, bwd_layer = block_seconds(arch, 1, microbatch_seqs, seq, threads, layout.world)
         head_f, head_b = head_seconds(arch, layout.tp, tokens, threads, layout.world)
+        share = _pipeline_share(layout, cluster.cores)
+        fwd_layer, bwd_layer, head_f, head_b = (t * share for t in (fwd_layer, bwd_layer, head_f, head_b))
     recompute_layer = {"none": 0.0, "full": fwd_layer, "selective": fwd_layer / 2, "op": elem}[layout.ac]
     forward = n * fwd_layer + head_f
     recompute = n * recompute_layer
     backward = n * bwd_layer + recompute + head_b
-    return StageCompute(forward, backward, recompute, n)
+    return StageCompute(forward, backward, recompute, n, measured)

@@ -20,6 +20,8 @@ TIMEOUT_S = 300.0
 """The longest one job may take in a copy before the measurement is abandoned with an error."""
 
 _pools: dict[int, list[subprocess.Popen]] = {}
+_serial: dict[int, int] = {}
+_starts = 0
 
 
 def _send(stream: IO[bytes], obj: Any) -> None:
@@ -61,15 +63,25 @@ def _receive(proc: subprocess.Popen, what: str) -> Any:
     return pickle.load(proc.stdout)
 
 
-def together(copies: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """``fn(*args)`` run in ``copies`` processes at once; their results, one per copy. ``fn`` must be
-    a module-level function (it is pickled)."""
+def started(copies: int) -> int:
+    """Start the set of ``copies`` processes if it is not running; returns its number, new with each
+    start (state a caller keeps per set, e.g. a store's port, must not outlive the set)."""
+    global _starts
     if copies not in _pools:
         _pools[copies] = _start(copies)
+        _starts += 1
+        _serial[copies] = _starts
+    return _serial[copies]
+
+
+def together(copies: int, fn: Callable[..., Any], *args: Any, ranked: bool = False) -> list[Any]:
+    """``fn(*args)`` run in ``copies`` processes at once; their results, one per copy. ``fn`` must be
+    a module-level function (it is pickled). ``ranked``: copy i calls ``fn(*args, i)``."""
+    started(copies)
     procs = _pools[copies]
     try:
-        for p in procs:
-            _send(p.stdin, (fn, args))  # type: ignore[arg-type]
+        for i, p in enumerate(procs):
+            _send(p.stdin, (fn, (*args, i) if ranked else args))  # type: ignore[arg-type]
         for p in procs:
             _receive(p, "start")
         for p in procs:
@@ -87,12 +99,14 @@ def together(copies: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
 def stop(copies: int | None = None) -> None:
     """Stop the copies (every set without ``copies``)."""
     for n in [copies] if copies is not None else list(_pools):
-        for p in _pools.pop(n, []):
+        procs = _pools.pop(n, [])
+        for p in procs:  # tell every copy first: copies that share a communicator leave together
             try:
                 _send(p.stdin, None)  # type: ignore[arg-type]
                 p.stdin.close()  # type: ignore[union-attr]
             except OSError:
                 pass
+        for p in procs:
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -113,8 +113,11 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         pp_f = pp_b = send * layout.virtual
         algos["pp"] = "p2p"
 
-    f = sc.forward + tp_f + cp_f + pp_f
-    b = sc.backward + tp_b + cp_b + pp_b
+    # a block timed with its collectives (this-host) already holds tp and cp: the breakdown below
+    # still shows their analytic share, taken out of compute
+    inner_f, inner_b = (0.0, 0.0) if sc.comm_measured else (tp_f + cp_f, tp_b + cp_b)
+    f = sc.forward + inner_f + pp_f
+    b = sc.backward + inner_b + pp_b
     makespan = pipeline_time(layout, f, b)
     m = layout.microbatches
     busy = m * (f + b)
@@ -129,7 +132,8 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
             optimizer = optimizer_seconds(sizes, threads_per_rank(layout.world), layout.world)
 
     step = makespan + dp_exposed + optimizer
-    parts = {"compute": m * (sc.forward + sc.backward), "tp": m * (tp_f + tp_b), "cp": m * (cp_f + cp_b),
+    shown = m * (tp_f + tp_b + cp_f + cp_b) if sc.comm_measured else 0.0
+    parts = {"compute": max(0.0, m * (sc.forward + sc.backward) - shown), "tp": m * (tp_f + tp_b), "cp": m * (cp_f + cp_b),
              "pp": m * (pp_f + pp_b), "dp": dp_exposed, "bubble": max(0.0, makespan - busy), "optimizer": optimizer}
     mem = memory_per_rank(arch, layout, mb, seq)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
@@ -167,6 +171,8 @@ def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageComput
     # (once per step under a pipeline, which keeps them gathered across micro-batches)
     gather_bytes = p * (MASTER if layout.precision == "fp32" else 2)
     ag, algos["dp all_gather"] = collective("all_gather", gather_bytes, g, cluster)
+    if sc.comm_measured:  # this-host timed each block as a ZeRO-3 unit, its gathers included
+        return rep_t, p / shard
     times = layout.microbatches if layout.pp == 1 else 1
     exposed = times * (max(0.0, ag - f) + ag / layers + max(0.0, ag + rs / times - b) + rs / times / layers)
     return exposed + rep_t, p / shard

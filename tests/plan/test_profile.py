@@ -42,3 +42,18 @@ def test_profiles_are_positive_and_cached():
     assert all(0 < t < 1 for t in head_seconds(arch, 1, 64, 1))
     assert 0 < optimizer_seconds((1000, 10), 1) < 1
     assert threads_per_rank(1) == os.cpu_count() and threads_per_rank(10_000) == 1
+
+
+def test_parallel_block_runs_meshtrains_tp_block_in_the_layouts_ranks_and_leaves_nothing():
+    from meshtrain.plan.profile_parallel import measures_collectives, parallel_block_seconds
+
+    assert measures_collectives(2, 1, 1, 0) and measures_collectives(1, 2, 2, 0) and measures_collectives(1, 1, 2, 3)
+    assert not measures_collectives(1, 1, 2, 1) and not measures_collectives(1, 1, 1, 3)
+    arch = from_llama_config("test", replace(PRESETS["test"], vocab_size=512))
+    before = set(os.listdir("/dev/shm"))
+    # tp=2 with sequence parallelism; then dp=2 ZeRO-3 on the same two copies (one communicator)
+    f, b = parallel_block_seconds(arch, (1, 1, 1, 1, 2), True, False, 2, 32, 1)
+    assert 0 < f < 1 and 0 < b < 1
+    assert all(0 < t < 1 for t in parallel_block_seconds(arch, (2, 1, 1, 1, 1), False, True, 2, 32, 1))
+    corun.stop(2)
+    assert set(os.listdir("/dev/shm")) <= before  # the copies closed their shared memory on the way out
