@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import ConfigError
 from .architectures import from_llama_config
 from .clusters import PRESETS, Cluster
+from .corun import stop as stop_profiling
 from .search import search
 from .step import Prediction
 
@@ -61,7 +62,10 @@ def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, 
     cluster = cluster if cluster is not None else cluster_for(t.device)
     arch = from_llama_config(config.model.preset, model_config(config, vocab_size))
     fixed = {"precision": t.precision, "compile": t.compile}
-    ranked = search(arch, cluster, world, t.global_batch, t.seq_len, fixed, top=top)
+    try:
+        ranked = search(arch, cluster, world, t.global_batch, t.seq_len, fixed, top=top)
+    finally:
+        stop_profiling()  # this-host's profiling processes: not beside the run's ranks
     saved = {k: getattr(p, k) for k in LAYOUT_FIELDS}
     reasons: list[str] = []
     for pred in ranked:
