@@ -145,3 +145,46 @@ def parallel_block_seconds(arch: Arch, degrees: tuple[int, int, int, int, int], 
     world = math.prod(degrees) // degrees[1]
     results = together(world, _block, arch, degrees, sp, zero3, batch, seq, threads, _port(world), ranked=True)
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+
+
+def _small_all_reduce(world: int, threads: int, port: int, rank: int) -> float:
+    import torch
+
+    from .. import comm
+
+    torch.set_num_threads(threads)
+    _join(rank, world, port)
+    t = torch.ones(16)
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+
+    def work() -> None:  # about a millisecond of compute, as a step has between its collectives
+        for _ in range(16):
+            a @ b
+
+    for _ in range(3):
+        work()
+        comm.all_reduce(t)
+    n = 3 * REPEATS
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        work()
+    alone = time.perf_counter() - start
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        work()
+        comm.all_reduce(t)
+    # what a collective adds between stretches of compute: its own cost, and waiting for ranks that
+    # are computing (or, with more ranks than cores, not running at all)
+    return max(0.0, time.perf_counter() - start - alone) / n
+
+
+@lru_cache(maxsize=64)
+def collective_latency(world: int, threads: int) -> float:
+    """Seconds one small all-reduce adds between stretches of compute over ``world`` ranks of this
+    host (the median over ranks of: a loop of compute and all-reduce, less the same compute alone):
+    a collective's fixed cost, with the wait for ranks the scheduler has put aside when they
+    outnumber the cores, which the calibrated alpha (fitted on point-to-point messages) leaves out."""
+    return statistics.median(together(world, _small_all_reduce, world, threads, _port(world), ranked=True))
+

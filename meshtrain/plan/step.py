@@ -13,6 +13,7 @@ and the optimizer's memory-bound update are added after the pipeline.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -22,8 +23,12 @@ from .clusters import Cluster
 from .collectives import collective, group_of, p2p
 from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
-from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .memory import GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
+from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
+from .profile_parallel import collective_latency
+
+BUCKET_CAP = 25 * 2**20
+"""meshtrain DataParallel's default bucket (``parallel.bucket_cap_mb``)."""
 
 
 @dataclass
@@ -33,7 +38,8 @@ class Prediction:
     layout: Layout
     step_time: float
     parts: dict[str, float]
-    """Seconds: compute, tp, cp, pp, dp (exposed communication per dimension), bubble, optimizer."""
+    """Seconds: compute, tp, cp, pp, dp (exposed communication per dimension), bubble, optimizer, and
+    sync (this host: the step's small collectives' measured fixed cost; 0 elsewhere)."""
     memory: MemoryBreakdown
     capacity: float
     """Bytes a rank may use on the cluster."""
@@ -131,10 +137,11 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         if sum(sizes) <= MAX_PROFILED_ELEMENTS:
             optimizer = optimizer_seconds(sizes, threads_per_rank(layout.world), layout.world)
 
-    step = makespan + dp_exposed + optimizer
+    sync = _step_collectives(arch, cluster, layout, sc) if cluster.profile_compute and layout.world > 1 else 0.0
+    step = makespan + dp_exposed + optimizer + sync
     shown = m * (tp_f + tp_b + cp_f + cp_b) if sc.comm_measured else 0.0
     parts = {"compute": max(0.0, m * (sc.forward + sc.backward) - shown), "tp": m * (tp_f + tp_b), "cp": m * (cp_f + cp_b),
-             "pp": m * (pp_f + pp_b), "dp": dp_exposed, "bubble": max(0.0, makespan - busy), "optimizer": optimizer}
+             "pp": m * (pp_f + pp_b), "dp": dp_exposed, "bubble": max(0.0, makespan - busy), "optimizer": optimizer, "sync": sync}
     mem = memory_per_rank(arch, layout, mb, seq)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
         mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * act)
@@ -176,3 +183,25 @@ def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageComput
     times = layout.microbatches if layout.pp == 1 else 1
     exposed = times * (max(0.0, ag - f) + ag / layers + max(0.0, ag + rs / times - b) + rs / times / layers)
     return exposed + rep_t, p / shard
+
+
+def _step_collectives(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute) -> float:
+    """This host: the fixed cost of the small collectives a meshtrain step makes outside its blocks,
+    beyond the alpha the analytic terms already charge: the loss (over pp, over dp x cp), the grad
+    norm (one per axis it sums over), the data-parallel buckets, ZeRO-1/2's per-unit reduce-scatter
+    and all-gather, ZeRO-3's root unit, HSDP's per-unit replica all-reduce. Each costs
+    ``collective_latency`` of the layout's ranks (measured)."""
+    units = sc.layers + 1  # ZeRO's units: one per block, one root
+    shards = layout.zero_shards > 1 and layout.zero_stage > 0
+    count = (layout.pp > 1) + (layout.dp * layout.cp > 1)  # the loss
+    count += (layout.pp > 1) + (layout.tp > 1) + shards  # the grad norm's axes
+    if layout.zero_stage == 0 and layout.dp * layout.cp > 1:
+        count += math.ceil(stage_params(arch, layout) * GRAD / BUCKET_CAP)
+    elif layout.zero_stage in (1, 2) and shards:
+        count += 2 * units
+    elif layout.zero_stage == 3 and shards:
+        count += 3  # the root unit's gathers and reduce-scatter (the blocks' are in the profile)
+    if layout.dp_replicate > 1 and layout.zero_stage:
+        count += units
+    lat = collective_latency(layout.world, threads_per_rank(layout.world))
+    return count * max(0.0, lat - cluster.intra.latency)
