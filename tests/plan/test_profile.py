@@ -45,7 +45,7 @@ def test_profiles_are_positive_and_cached():
 
 
 def test_parallel_block_runs_meshtrains_tp_block_in_the_layouts_ranks_and_leaves_nothing():
-    from meshtrain.plan.profile_parallel import measures_collectives, parallel_block_seconds
+    from meshtrain.plan.profile_parallel import collective_latency, measures_collectives, parallel_block_seconds
 
     assert measures_collectives(2, 1, 1, 0) and measures_collectives(1, 2, 2, 0) and measures_collectives(1, 1, 2, 3)
     assert not measures_collectives(1, 1, 2, 1) and not measures_collectives(1, 1, 1, 3)
@@ -55,5 +55,28 @@ def test_parallel_block_runs_meshtrains_tp_block_in_the_layouts_ranks_and_leaves
     f, b = parallel_block_seconds(arch, (1, 1, 1, 1, 2), True, False, 2, 32, 1)
     assert 0 < f < 1 and 0 < b < 1
     assert all(0 < t < 1 for t in parallel_block_seconds(arch, (2, 1, 1, 1, 1), False, True, 2, 32, 1))
+    assert 0 < collective_latency(2, 1) < 0.1
     corun.stop(2)
     assert set(os.listdir("/dev/shm")) <= before  # the copies closed their shared memory on the way out
+
+
+def test_step_collectives_count_meshtrains_calls(monkeypatch):
+    from meshtrain.plan import step
+    from meshtrain.plan.compute import StageCompute
+    from meshtrain.plan.host import this_host
+    from meshtrain.plan.layout import parse_layout
+
+    monkeypatch.setattr(step, "collective_latency", lambda world, threads: 1e-3)
+    host = replace(this_host(peak=1e11, bandwidth=5e10, base_memory=3e8), intra=replace(this_host(
+        peak=1e11, bandwidth=5e10, base_memory=3e8).intra, latency=0.0))
+    arch = from_llama_config("test", replace(PRESETS["test"], vocab_size=512))
+    sc = StageCompute(0.0, 0.0, 0.0, layers=4)
+
+    def calls(text: str) -> float:
+        return step._step_collectives(arch, host, parse_layout(text), sc) / 1e-3
+
+    assert calls("dp=4") == pytest.approx(2)  # the loss, one bucket (3.6 MB of gradients)
+    assert calls("dp=4,zero=1") == pytest.approx(1 + 1 + 2 * 5)  # loss, norm, RS + AG per unit (4 blocks + root)
+    assert calls("dp=4,zero=3") == pytest.approx(1 + 1 + 3)  # loss, norm, the root unit
+    assert calls("dp=4,rep=2,zero=3") == pytest.approx(1 + 1 + 3 + 5)  # and each unit's replica all-reduce
+    assert calls("tp=2,pp=2,m=2") == pytest.approx(1 + 2)  # the loss over pp; the norm over pp and tp
