@@ -114,7 +114,7 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
             fwd_layer, bwd_layer = parallel_block_seconds(arch, degrees, layout.sp, zero3, microbatch_seqs, seq,
                                                           threads)
         else:
-            fwd_layer, bwd_layer = block_seconds(arch, 1, microbatch_seqs, seq, threads, layout.world)
+            fwd_layer, bwd_layer = block_seconds(arch, microbatch_seqs, seq, threads, layout.world)
         head_f, head_b = head_seconds(arch, layout.tp, tokens, threads, layout.world)
         share = _pipeline_share(layout, cluster.cores)
         fwd_layer, bwd_layer, head_f, head_b = (t * share for t in (fwd_layer, bwd_layer, head_f, head_b))

@@ -27,7 +27,9 @@ BANDWIDTH_ELEMENTS = 1 << 20
 
 
 def _cache_file(name: str) -> Path:
-    return Path(os.environ.get("MESHTRAIN_CACHE_DIR") or Path.home() / ".cache" / "meshtrain") / name
+    from ..train.tokenizer import cache_dir  # $MESHTRAIN_CACHE_DIR, else ~/.cache/meshtrain
+
+    return cache_dir() / name
 
 
 def _cached(name: str, key: str) -> float:

@@ -25,8 +25,10 @@ from .compute import ACT_BYTES, stage_layers
 from .layout import Layout
 
 MASTER, GRAD, ADAM = 4, 4, 8
-BUCKET_BYTES = 2 * 25 * 2**20
-"""Two 25 MB data-parallel gradient buckets (one reducing, one filling)."""
+BUCKET_CAP = 25 * 2**20
+"""meshtrain DataParallel's default bucket (``parallel.bucket_cap_mb``)."""
+BUCKET_BYTES = 2 * BUCKET_CAP
+"""Two data-parallel gradient buckets (one reducing, one filling)."""
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,14 @@
 one rank runs, instead of a roofline.
 
 On a CPU the roofline misses most of a small model's time: the framework's per-op overhead (a few
-microseconds for each of the ~120 aten ops of a block's forward and ~160 of its backward),
+microseconds for each aten op: the 4-block test model runs 369 in its forward, 642 in its backward),
 broadcasting element-wise kernels well below the streaming bandwidth, and an unfused attention.
-Operator profiling is how vTrain and Alpa price compute; the planner does it per block, in
-isolation (no training step is timed): a ``Block`` whose linears are narrowed to 1/tp (the heads
-a rank holds follow from their widths, as under meshtrain's tensor parallelism), on the rank's
-micro-batch, with the intra-op threads the launcher would give that rank. Communication, the
-pipeline schedule and the optimizer stay analytic.
+Operator profiling is how vTrain and Alpa price compute; the planner does it in isolation (no
+training step is timed): one ``Block`` on the rank's micro-batch (layouts with tp, cp or ZeRO-3
+time meshtrain's parallel block instead: ``profile_parallel``), the output head with its loss
+(vocabulary split over tp), and an AdamW step over the rank's tensors, each with the intra-op
+threads the launcher would give that rank. The pipeline schedule and the data-parallel
+collectives stay analytic.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def _measured(fn: Callable[..., Any], copies: int, *args: Any) -> Any:
 
 
 @lru_cache(maxsize=512)
-def block_seconds(arch: Arch, tp: int, batch: int, seq: int, threads: int, copies: int = 1) -> tuple[float, float]:
-    """(forward, backward) seconds of one block on ``batch`` x ``seq`` tokens, with its linears split
-    ``tp`` ways, measured with ``threads`` intra-op threads while ``copies`` ranks do the same."""
-    return _measured(_block, copies, arch, tp, batch, seq, threads)
+def block_seconds(arch: Arch, batch: int, seq: int, threads: int, copies: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one whole block on ``batch`` x ``seq`` tokens (tp > 1 goes to
+    ``profile_parallel``), measured with ``threads`` intra-op threads while ``copies`` ranks do the same."""
+    return _measured(_block, copies, arch, batch, seq, threads)
 
 
 @lru_cache(maxsize=512)
@@ -98,26 +99,18 @@ def optimizer_seconds(sizes: tuple[int, ...], threads: int, copies: int = 1) -> 
     return _measured(_optimizer, copies, sizes, threads)
 
 
-def _block(arch: Arch, tp: int, batch: int, seq: int, threads: int) -> tuple[float, float]:
+def _block(arch: Arch, batch: int, seq: int, threads: int) -> tuple[float, float]:
     import torch
-    from torch import nn
 
     from ..models.llama import Block, LlamaConfig, rotary_table
 
     cfg = LlamaConfig(vocab_size=arch.vocab_size, dim=arch.dim, n_layers=1, n_heads=arch.n_heads,
                       n_kv_heads=arch.n_kv_heads, ffn_dim=arch.ffn_dim, max_seq_len=seq)
-    hd = cfg.head_dim
-    heads, kv = max(1, arch.n_heads // tp), max(1, arch.n_kv_heads // tp)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         block = Block(cfg)
-        block.attn.wq, block.attn.wk = nn.Linear(arch.dim, heads * hd, bias=False), nn.Linear(arch.dim, kv * hd, bias=False)
-        block.attn.wv, block.attn.wo = nn.Linear(arch.dim, kv * hd, bias=False), nn.Linear(heads * hd, arch.dim, bias=False)
-        ffn = max(1, arch.ffn_dim // tp)
-        block.mlp.w1, block.mlp.w3 = nn.Linear(arch.dim, ffn, bias=False), nn.Linear(arch.dim, ffn, bias=False)
-        block.mlp.w2 = nn.Linear(ffn, arch.dim, bias=False)
-        cos, sin = rotary_table(hd, torch.arange(seq), cfg.rope_theta)
+        cos, sin = rotary_table(cfg.head_dim, torch.arange(seq), cfg.rope_theta)
         x = torch.randn(batch, seq, arch.dim, requires_grad=True)
         grad = torch.randn(batch, seq, arch.dim)
         return _median_times(lambda: (block(x, cos, sin), grad))
@@ -145,17 +138,17 @@ def _head(arch: Arch, tp: int, tokens: int, threads: int) -> tuple[float, float]
         torch.set_num_threads(saved)
 
 
-def stage_tensor_sizes(arch: Arch, tp: int, layers: int, shard: int, zero_stage: int, ends: bool) -> tuple[int, ...]:
+def stage_tensor_sizes(arch: Arch, tp: int, layers: int, shard: int, zero_stage: int) -> tuple[int, ...]:
     """Elements of each tensor the rank's optimizer steps: a stage's weights split over tp, one per
     weight without ZeRO; under ZeRO one flat shard (1/shard) per block and one for the rest."""
     kv, hd = arch.n_kv_heads * arch.head_dim, arch.head_dim
     q = arch.n_heads * hd
     block = [arch.dim, arch.dim, arch.dim * q // tp, arch.dim * kv // tp, arch.dim * kv // tp, q * arch.dim // tp,
              *[arch.dim * arch.ffn_dim // tp] * 3]
-    rest = [arch.vocab_size * arch.dim // tp, arch.dim, arch.vocab_size * arch.dim // tp] if ends else []
+    rest = [arch.vocab_size * arch.dim // tp, arch.dim, arch.vocab_size * arch.dim // tp]  # embedding, norm, head
     if zero_stage == 0:
         return tuple(block * layers + rest)
-    shards = [max(1, sum(block) // shard)] * layers + ([max(1, sum(rest) // shard)] if rest else [])
+    shards = [max(1, sum(block) // shard)] * layers + [max(1, sum(rest) // shard)]
     return tuple(shards)
 
 

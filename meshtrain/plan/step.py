@@ -23,12 +23,9 @@ from .clusters import Cluster
 from .collectives import collective, group_of, p2p
 from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
-from .memory import GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
+from .memory import BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
 from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .profile_parallel import collective_latency
-
-BUCKET_CAP = 25 * 2**20
-"""meshtrain DataParallel's default bucket (``parallel.bucket_cap_mb``)."""
 
 
 @dataclass
@@ -133,7 +130,7 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     # AdamW: read params, grads, two moments; write params and moments (fp32) at memory speed
     optimizer = opt_params * 28 / cluster.per_rank_bandwidth(layout.world)
     if cluster.profile_compute:  # a host's AdamW loops over tensors: per-tensor overhead, so time it
-        sizes = stage_tensor_sizes(arch, layout.tp, sc.layers, layout.zero_shards, layout.zero_stage, True)
+        sizes = stage_tensor_sizes(arch, layout.tp, sc.layers, layout.zero_shards, layout.zero_stage)
         if sum(sizes) <= MAX_PROFILED_ELEMENTS:
             optimizer = optimizer_seconds(sizes, threads_per_rank(layout.world), layout.world)
 

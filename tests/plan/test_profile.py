@@ -29,16 +29,16 @@ def test_optimizer_tensors_are_the_models_parameters():
     cfg = replace(PRESETS["test"], vocab_size=512)
     arch = from_llama_config("test", cfg)
     sizes = sorted(p.numel() for p in Llama(cfg).parameters())
-    assert sorted(stage_tensor_sizes(arch, 1, cfg.n_layers, 1, 0, True)) == sizes
+    assert sorted(stage_tensor_sizes(arch, 1, cfg.n_layers, 1, 0)) == sizes
     # ZeRO: one flat shard per block and one for the rest, each 1/shard
-    assert sum(stage_tensor_sizes(arch, 1, cfg.n_layers, 2, 1, True)) == pytest.approx(sum(sizes) / 2, abs=4)
+    assert sum(stage_tensor_sizes(arch, 1, cfg.n_layers, 2, 1)) == pytest.approx(sum(sizes) / 2, abs=4)
 
 
 def test_profiles_are_positive_and_cached():
     arch = from_llama_config("test", replace(PRESETS["test"], vocab_size=512))
-    f, b = block_seconds(arch, 2, 2, 32, 1)
+    f, b = block_seconds(arch, 2, 32, 1)
     assert 0 < f < 1 and 0 < b < 1
-    assert block_seconds(arch, 2, 2, 32, 1) == (f, b)  # measured once per shape
+    assert block_seconds(arch, 2, 32, 1) == (f, b)  # measured once per shape
     assert all(0 < t < 1 for t in head_seconds(arch, 1, 64, 1))
     assert 0 < optimizer_seconds((1000, 10), 1) < 1
     assert threads_per_rank(1) == os.cpu_count() and threads_per_rank(10_000) == 1
