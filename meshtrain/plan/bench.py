@@ -37,10 +37,18 @@ PAIRS: tuple[tuple[str, str], ...] = (
 
 DATA = ["--data.max_bytes=300000", "--data.vocab_size=512", "--checkpoint.enabled=false", "--no-progress"]
 VOCAB = 512  # the trained tokenizer's vocabulary, which sets the model's (see DATA)
+GLOBAL_BATCH, SEQ = 8, 64
+"""The default step: 8 sequences of 64 tokens."""
+
+TINY_MODEL = {"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
+"""``test`` shrunk until its weights and activations are a few hundred KiB: a run of it measures what
+a training process holds besides the model (``host.measure_runtime_memory``)."""
 
 
-def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq: int, out: Path) -> list[str]:
-    """The ``meshtrain train`` arguments that run ``layout_text`` (fp32 on the CPU)."""
+def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq: int, out: Path,
+               model_fields: dict[str, int] | None = None) -> list[str]:
+    """The ``meshtrain train`` arguments that run ``layout_text`` (fp32 on the CPU), with ``model_fields``
+    overriding the preset's ``LlamaConfig`` fields."""
     lay = parse_layout(layout_text, precision="fp32")
     ac = {"none": "none", "full": "full", "selective": "selective", "op": "selective"}[lay.ac]
     return ["train", f"--out={out}", f"--model.preset={model}", f"--train.steps={steps}", "--train.warmup_steps=1",
@@ -49,13 +57,15 @@ def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq:
             f"--parallel.cp={lay.cp}", f"--parallel.zero_stage={lay.zero_stage}",
             f"--parallel.microbatches={lay.microbatches}", f"--parallel.schedule={lay.schedule}",
             f"--parallel.virtual_stages={lay.virtual}", f"--parallel.activation_checkpointing={ac}",
-            f"--parallel.sequence_parallel={'true' if lay.tp > 1 else 'false'}", *DATA]
+            f"--parallel.sequence_parallel={'true' if lay.tp > 1 else 'false'}", *DATA,
+            *(f"--model.{k}={v}" for k, v in (model_fields or {}).items())]
 
 
 def measure(model: str, layout_text: str, steps: int, global_batch: int, seq: int, out: Path,
-            timeout: float = 600) -> dict:
+            timeout: float = 600, model_fields: dict[str, int] | None = None) -> dict:
     """Run ``meshtrain train`` and return rank 0's median and fastest step seconds and peak memory bytes."""
-    cmd = [sys.executable, "-m", "meshtrain.cli", *train_args(layout_text, model, steps, global_batch, seq, out)]
+    cmd = [sys.executable, "-m", "meshtrain.cli",
+           *train_args(layout_text, model, steps, global_batch, seq, out, model_fields)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"meshtrain train failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -85,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``meshtrain bench plan`` options."""
     parser.add_argument("--pairs", type=int, default=len(PAIRS), help="run the first N (model, layout) pairs")
     parser.add_argument("--steps", type=int, default=6, help="training steps per pair")
-    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
 
 

@@ -1,12 +1,12 @@
 """``this-host``: this machine as a cluster of CPU ranks, from measurements rather than a datasheet.
 
-Four figures, each from its own microbenchmark (none from a training run): the comm cost model of
-``meshtrain bench comm --calibrate`` (the library default without one), the matmul peak
-(``device_peak``), the element-wise bandwidth (an eager ``torch.add`` over 4 MB tensors, the size
-of a small model's activations, with every core), and the resident memory of a process that has
-imported what a training worker imports. The two timings keep the highest figure seen in
-``$MESHTRAIN_CACHE_DIR`` (a busy moment reads low); the memory is measured once per interpreter and
-torch version.
+Four figures, each from its own measurement: the comm cost model of ``meshtrain bench comm
+--calibrate`` (the library default without one), the matmul peak (``device_peak``), the
+element-wise bandwidth (an eager ``torch.add`` over 4 MB tensors, the size of a small model's
+activations, with every core), and the runtime memory of a training process, from a run of a model
+too small to matter (none of them from a run of the model being planned). The two timings keep the
+highest figure seen in ``$MESHTRAIN_CACHE_DIR`` (a busy moment reads low); the memory is measured
+once per interpreter and torch version.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..comm.select import DEFAULTS, CostModel, cache_path
+from ..config.model import PRESETS
+from .architectures import from_llama_config
 from .clusters import GiB, Cluster, Level
 
 BANDWIDTH_ELEMENTS = 1 << 20
@@ -79,18 +82,25 @@ def measure_bandwidth(repeats: int = 30) -> float:
     return rate
 
 
-def measure_base_memory() -> float:
-    """Resident bytes of a fresh interpreter that has imported meshtrain's trainer (and so torch):
-    what every training process holds before its first tensor. Cached per interpreter and torch."""
+def measure_runtime_memory() -> float:
+    """Bytes a training process holds besides its model: the peak resident set of a one-rank
+    ``meshtrain train`` of ``bench.TINY_MODEL`` (the interpreter and torch, the library code its
+    kernels page in, the tokenizer and data, metrics and logging), less what the planner predicts that
+    model's weights, gradients, optimizer state and activations take. Cached per interpreter and torch."""
     key = _key()
-    cached = _cached("base_memory.json", key)
+    cached = _cached("runtime_memory.json", key)
     if cached:
         return cached
-    # the trainer's own measure (VmHWM: ru_maxrss would carry over this process's peak through the fork)
-    code = "import meshtrain.train.trainer; from meshtrain.train.metrics import resident_peak_bytes as r; print(r())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    value = float(out.stdout.split()[-1])
-    _store("base_memory.json", key, value)
+    from .bench import GLOBAL_BATCH, SEQ, TINY_MODEL, VOCAB, measure  # bench imports this module
+    from .layout import parse_layout
+    from .memory import memory_per_rank
+
+    with tempfile.TemporaryDirectory(prefix="meshtrain-runtime-") as tmp:
+        got = measure("test", "dp=1", 4, GLOBAL_BATCH, SEQ, Path(tmp), timeout=300, model_fields=TINY_MODEL)
+    tiny = replace(PRESETS["test"], vocab_size=VOCAB, tie_embeddings=False, **TINY_MODEL)
+    held = memory_per_rank(from_llama_config("tiny", tiny), parse_layout("dp=1", precision="fp32"), GLOBAL_BATCH, SEQ)
+    value = got["peak_mem_bytes"] - held.total
+    _store("runtime_memory.json", key, value)
     return value
 
 
@@ -108,7 +118,7 @@ def cached_cost_model() -> CostModel:
 
 def this_host(peak: float | None = None, bandwidth: float | None = None, base_memory: float | None = None) -> Cluster:
     """This machine as one node of CPU ranks: the calibrated cost model (or the default) for both link
-    levels, and the measured matmul peak, element-wise bandwidth and per-process base memory (each
+    levels, and the measured matmul peak, element-wise bandwidth and per-process runtime memory (each
     may be given instead, for tests). The ranks split the cores, the bandwidth and the RAM."""
     import torch
 
@@ -117,7 +127,7 @@ def this_host(peak: float | None = None, bandwidth: float | None = None, base_me
     model = cached_cost_model()
     host_peak = peak if peak is not None else device_peak(torch.device("cpu"))
     rate = bandwidth if bandwidth is not None else measure_bandwidth()
-    base = base_memory if base_memory is not None else measure_base_memory()
+    base = base_memory if base_memory is not None else measure_runtime_memory()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     level = Level(model.alpha, 1.0 / model.beta)
     # one node holding every rank: 720720 = lcm(1..16), so any degree up to 16 divides it.

@@ -26,9 +26,8 @@ from .layout import Layout
 
 MASTER, GRAD, ADAM = 4, 4, 8
 BUCKET_CAP = 25 * 2**20
-"""meshtrain DataParallel's default bucket (``parallel.bucket_cap_mb``)."""
-BUCKET_BYTES = 2 * BUCKET_CAP
-"""Two data-parallel gradient buckets (one reducing, one filling)."""
+"""meshtrain DataParallel's default bucket (``parallel.bucket_cap_mb``). Buckets cost no memory of
+their own: the ``.grad`` tensors are views into them."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class MemoryBreakdown:
     activations: float
     buffers: float
     runtime: float = 0.0
-    """What the process holds before training (a host's interpreter and torch; 0 on GPUs)."""
+    """What a training process holds besides the model (a host's interpreter, torch, data; 0 on GPUs)."""
 
     @property
     def total(self) -> float:
@@ -110,10 +109,28 @@ def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) 
     block = arch.params_per_layer() / layout.tp
     if z >= 3:  # one block gathered for compute, the next prefetched, the current block's full gradient
         buffers = 2 * block * MASTER + block * GRAD
-    else:  # gradient buckets, and autocast's low-precision copy of the weights in use
-        buffers = BUCKET_BYTES + (p * 2 if layout.precision != "fp32" else 0.0)
+    else:  # autocast's low-precision copy of the weights in use (the gradients are the buckets)
+        buffers = p * 2 if layout.precision != "fp32" else 0.0
     act = activation_memory(arch, layout, microbatch_seqs, seq)
     return MemoryBreakdown(params, grads, optimizer, act, buffers)
+
+
+def peer_gradient_bytes(arch: Arch, layout: Layout) -> float:
+    """Bytes of the data-parallel peers' gradient buckets that one rank's resident set maps, on a host
+    whose ranks share memory (the shm transport): without ZeRO the buckets are symmetric shared
+    memory that the all-reduce reads in place, so rank i reads slice i of each of the g - 1 peers'
+    buckets and then their own reduced slice: 2(g - 1)/g of the gradients. The pages are shared,
+    not copied, but every rank's resident set counts them."""
+    g = layout.dp * layout.cp
+    if layout.zero_stage > 0 or g == 1:
+        return 0.0
+    return stage_params(arch, layout) * GRAD * peer_read_fraction(g)
+
+
+def peer_read_fraction(group: int) -> float:
+    """How much of one symmetric tensor's size a rank maps from its peers in an in-place shm
+    all-reduce over ``group`` ranks: its own slice of each peer, then each peer's reduced slice."""
+    return 2 * (group - 1) / group
 
 
 def fits(mem: MemoryBreakdown, capacity: float) -> bool:

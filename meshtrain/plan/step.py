@@ -23,7 +23,7 @@ from .clusters import Cluster
 from .collectives import collective, group_of, p2p
 from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
-from .memory import BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, memory_per_rank, stage_params
+from .memory import BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, memory_per_rank, peer_gradient_bytes, stage_params
 from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .profile_parallel import collective_latency
 
@@ -142,6 +142,8 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     mem = memory_per_rank(arch, layout, mb, seq)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
         mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * act)
+    if cluster.memory_shared:
+        mem = replace(mem, buffers=mem.buffers + peer_gradient_bytes(arch, layout))
     mem = replace(mem, runtime=cluster.base_memory_bytes)
     tok = global_batch * seq / step / layout.world
     mfu = tok * model_flops_per_token(arch, seq) / cluster.per_rank_peak(layout.world, "bf16")
