@@ -41,6 +41,11 @@ class Layout:
     dp_replicate: int = 1
     """Of dp, the replicas of ZeRO's shards (HSDP): ZeRO shards over dp / dp_replicate x cp and
     all-reduces each shard's gradient over the replicas."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2's all-gather of the updated weights done in the compute dtype behind the next step's
+    forward, bucket by bucket, as Megatron's distributed optimizer does with
+    ``--overlap-param-gather``; meshtrain gathers the fp32 weights after the step. Only meaningful
+    with zero 1 or 2; for pricing a peer's published run (meshtrain's own runs cannot set it)."""
 
     @property
     def dp_shard(self) -> int:
@@ -71,13 +76,16 @@ class Layout:
             parts.append(f"m={self.microbatches}")
         if self.dp_replicate > 1:
             parts.append(f"rep={self.dp_replicate}")
+        if self.overlap_param_gather and self.zero_stage in (1, 2):
+            parts.append("opg=1")
         return ",".join(parts + [f"zero={self.zero_stage}", f"ac={self.ac}"])
 
 
 _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "microbatches": "microbatches",
          "v": "virtual", "virtual": "virtual", "zero": "zero_stage", "zero_stage": "zero_stage", "ac": "ac",
          "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel", "rep": "dp_replicate",
-         "dp_replicate": "dp_replicate"}
+         "dp_replicate": "dp_replicate", "opg": "overlap_param_gather",
+         "overlap_param_gather": "overlap_param_gather"}
 
 
 def parse_layout(text: str, **defaults) -> Layout:
@@ -95,7 +103,7 @@ def parse_layout(text: str, **defaults) -> Layout:
         field = _KEYS[key]
         if field in ("ac", "schedule", "precision"):
             values[field] = raw
-        elif field == "sequence_parallel":
+        elif field in ("sequence_parallel", "overlap_param_gather"):
             values[field] = raw.lower() in ("1", "true", "yes", "on")
         else:
             try:

@@ -170,6 +170,10 @@ def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageComput
     if layout.dp_replicate > 1:
         rep_t, algos["dp_replicate all_reduce"] = collective(
             "all_reduce", p * GRAD / shard, group_of(layout, cluster, ("dp_replicate",)), cluster)
+    if z in (1, 2) and layout.overlap_param_gather:  # (a peer's) weights gathered behind the next forward
+        gathered = p * (MASTER if layout.precision == "fp32" else 2)
+        ag, algos["dp all_gather"] = collective("all_gather", gathered, g, cluster)
+        return max(0.0, rs - b) + rs / layers + rep_t + max(0.0, ag - f) + ag / layers, p / shard
     if z in (1, 2):  # gradients reduce-scatter behind the last backward; updated params gathered after
         ag, algos["dp all_gather"] = collective("all_gather", p * MASTER, g, cluster)
         return max(0.0, rs - b) + rs / layers + rep_t + ag, p / shard

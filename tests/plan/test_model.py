@@ -167,3 +167,24 @@ def test_hsdp_shards_over_dp_shard_and_all_reduces_shards_over_replicas():
     assert "dp_replicate all_reduce" in pred.algorithms and pred.parts["dp"] >= rep_t > 0
     with pytest.raises(ConfigError, match="rep=3 does not divide dp=64"):
         predict(a, H100, parse_layout("dp=64,rep=3,zero=3"), 64, 8192)
+
+
+def test_overlapped_param_gather_moves_zero1s_gather_behind_the_forward_in_bf16():
+    from meshtrain.plan.layout import parse_layout
+
+    a = ARCHS["llama3-8b"]
+    after = parse_layout("dp=64,zero=1")
+    behind = parse_layout("dp=64,zero=1,opg=1")
+    assert behind.overlap_param_gather and behind.label().endswith("opg=1,zero=1,ac=none")
+    assert parse_layout(behind.label()) == behind
+    p = stage_params(a, after)
+    g = group_of(after, H100, ("dp_shard", "cp"))
+    fp32, _ = collective("all_gather", p * 4, g, H100)
+    bf16, _ = collective("all_gather", p * 2, g, H100)
+    f = stage_compute(a, after, H100, 1, 8192).forward
+    assert bf16 < f  # so all of it but one block's share hides behind the forward
+    saved = predict(a, H100, after, 64, 8192).parts["dp"] - predict(a, H100, behind, 64, 8192).parts["dp"]
+    assert saved == pytest.approx(fp32 - bf16 / a.n_layers)
+    # ZeRO-3 gathers behind the forward anyway: the setting changes nothing there
+    z3 = predict(a, H100, parse_layout("dp=64,zero=3"), 64, 8192)
+    assert predict(a, H100, parse_layout("dp=64,zero=3,opg=1"), 64, 8192).step_time == z3.step_time
