@@ -18,8 +18,16 @@ from .step import Prediction, predict
 
 TORCHTITAN = ("torchtitan docs/performance.md (github.com/pytorch/torchtitan), the performance tables of "
               "Liang et al., TorchTitan, arXiv 2410.06511")
-MEGATRON = ("Megatron-LM README, 'Strong Scaling Results' (github.com/NVIDIA/Megatron-LM); method: Narayanan "
-            "et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, arXiv 2104.04473")
+MEGATRON = ("Megatron-LM README (github.com/NVIDIA/Megatron-LM): 'Strong Scaling Results' and its figure "
+            "images/strong_scaling.png, the model table images/model_table.png and its 'Benchmark Configuration'; "
+            "method: Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
+            "Megatron-LM, arXiv 2104.04473")
+MEGATRON_ASSUMED = ("tp=8, pp=6 from the README's model table for 177B (dp = GPUs / 48; its 2,304-GPU row, 997 "
+                    "PFLOP/s, is a point of the strong-scaling figure), seq 4096 from its benchmark configuration; "
+                    "not given, so Megatron's defaults: no interleaving (--num-layers-per-virtual-pipeline-stage "
+                    "unset), gradients reduced in fp32 (bf16); micro-batch 1; the distributed optimizer (zero=1) "
+                    "with --overlap-param-gather, which the README names; fused kernels (compile); "
+                    "--tp-comm-overlap not modelled")
 
 
 @dataclass(frozen=True)
@@ -62,15 +70,15 @@ RUNS: tuple[PublishedRun, ...] = (
                  512, "dp=8,tp=8,pp=8,m=16,v=2,interleaved,zero=3,ac=full,precision=fp8", 256, 8192,
                  "tokens_per_s_per_gpu", 128, TORCHTITAN, compile=True, memory_gib=72.7,
                  assumed="v=2, m = number of stages (16); async TP not modelled"),
-    PublishedRun("Megatron GPT-175B, 96 H100", "gpt-175b", "h100", 96,
-                 "dp=1,tp=8,pp=12,m=1152,v=2,interleaved,zero=1,opg=1,ac=none,precision=bf16", 1152, 2048, "mfu",
-                 0.47, MEGATRON, compile=True,
-                 assumed="layout not in the README text: tp=8, pp=12, v=2 (8 layers per stage), distributed "
-                         "optimizer (zero=1) with --overlap-param-gather (named by the README for its runs), "
-                         "fused kernels (compile)"),
-    PublishedRun("Megatron GPT-175B, 4608 H100", "gpt-175b", "h100", 4608,
-                 "dp=48,tp=8,pp=12,m=24,v=2,interleaved,zero=1,opg=1,ac=none,precision=bf16", 1152, 2048, "mfu", 0.42,
-                 MEGATRON, compile=True, assumed="as the 96-GPU run, dp=48"),
+    PublishedRun("Megatron GPT-3 177B, 96 H100 (strong scaling)", "gpt-175b", "h100", 96,
+                 "dp=2,tp=8,pp=6,m=576,1f1b,zero=1,opg=1,ac=none,precision=bf16", 1152, 4096, "mfu", 0.47,
+                 MEGATRON, compile=True, assumed=MEGATRON_ASSUMED),
+    PublishedRun("Megatron GPT-3 177B, 2304 H100 (model table)", "gpt-175b", "h100", 2304,
+                 "dp=48,tp=8,pp=6,m=24,1f1b,zero=1,opg=1,ac=none,precision=bf16", 1152, 4096, "mfu", 0.44,
+                 MEGATRON, compile=True, assumed=MEGATRON_ASSUMED),
+    PublishedRun("Megatron GPT-3 177B, 4608 H100 (strong scaling)", "gpt-175b", "h100", 4608,
+                 "dp=96,tp=8,pp=6,m=12,1f1b,zero=1,opg=1,ac=none,precision=bf16", 1152, 4096, "mfu", 0.42,
+                 MEGATRON, compile=True, assumed=MEGATRON_ASSUMED),
 )
 
 
