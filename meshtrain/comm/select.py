@@ -234,10 +234,6 @@ def preferred(group, op: str) -> str | None:
 # p=4: auto 0.54-0.68x gloo at 2-8 MB, 0.79-0.81x at p=2 at 1 and 8 MB; below 1 MB auto ran
 # 1.0-2.1x gloo). gloo's reduce_scatter and all_gather lost to auto at every size measured.
 NATIVE_FROM_GLOO = {"all_reduce": 1 << 20}
-# Two ranks: every step of meshtrain's algorithms is a gloo isend/irecv pair, and one pair costs
-# more than gloo's whole all_reduce at every size (auto, on recursive doubling or tree, ran
-# 0.36-0.71x gloo's all_reduce at 4-256 KB in three runs, session 11), so gloo's from 0 bytes.
-NATIVE_FROM_GLOO_PAIR = {"all_reduce": 0}
 
 # Sizes (bytes) from which auto takes hierarchical on a group spanning hosts with shm inside each
 # (below 1 MiB the model's recursive doubling or tree did as well for all_reduce).
@@ -264,9 +260,8 @@ def choose(group, op: str, nbytes: int) -> str:
         # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
         # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
         return "native"
-    native_from = (NATIVE_FROM_GLOO_PAIR if group.size == 2 else NATIVE_FROM_GLOO).get(op, math.inf)
-    if caps.native_collectives and nbytes >= native_from and "native" in algorithms_for(op, t.kind):
-        return "native"  # gloo's own ring where it was measured faster (NATIVE_FROM_GLOO above)
+    if caps.native_collectives and nbytes >= NATIVE_FROM_GLOO.get(op, math.inf) and "native" in algorithms_for(op, t.kind):
+        return "native"  # gloo's own ring from 1 MB (measured above NATIVE_FROM_GLOO)
     if op in shm_direct.ALGORITHMS and on_shared_memory(t, group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
         # this transport at every size measured (docs/benchmarks.md, "auto on the shm
