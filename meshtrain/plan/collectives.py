@@ -7,7 +7,8 @@ link the group crosses, plus a two-level hierarchical algorithm priced per level
 each node on ``intra``, a ring of nodes on ``inter``, one NIC per GPU so every rail runs in
 parallel). ``auto`` is the cheapest of them: what ``select.choose`` does from its cost model; on
 NCCL clusters it takes NCCL's native collectives, whose ring/tree choice these same formulas
-describe. The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in ``meshtrain.mesh``.
+describe (NCCL's hierarchies serve all-reduce only: its reduce-scatter and all-gather cross nodes
+as rings). The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in ``meshtrain.mesh``.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def collective(op: str, nbytes: float, group: Group, cluster: Cluster) -> tuple[
         return _flat(op, nbytes, group.size, intra)
     best = _flat(op, nbytes, group.size, inter)  # a flat ring runs at the slowest link's speed
     k, nodes = group.local, group.nodes
-    if k > 1:
+    # NCCL's reduce-scatter and all-gather across nodes are rings (its tree and NVLS-tree
+    # hierarchies serve all-reduce only); meshtrain's hierarchical runs where auto picks it itself
+    if k > 1 and (cluster.backend != "nccl" or op == "all_reduce"):
         # hierarchical: inside the node on the full buffer, across nodes (k rails at once) on 1/k of it
         if op == "all_reduce":
             t = (intra.predict("reduce_scatter", "ring", int(nbytes), k)

@@ -7,8 +7,6 @@ import pytest
 from meshtrain.plan.published import RUNS, check
 
 MISSES = {
-    "torchtitan 8B FSDP, 128 GPUs (Table 3)": "predicted +20.4%: eager element-wise and FSDP overheads at "
-                                              "500 W are underpriced",
     "Megatron GPT-3 177B, 4608 H100 (strong scaling)": "predicted -23%: without interleaving (Megatron's "
                                                        "default; the README does not say) 1F1B at m=12, pp=6 "
                                                        "idles (pp-1)/(m+pp-1) = 29% of the step",
