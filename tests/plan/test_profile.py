@@ -80,3 +80,19 @@ def test_step_collectives_count_meshtrains_calls(monkeypatch):
     assert calls("dp=4,zero=3") == pytest.approx(1 + 1 + 3)  # loss, norm, the root unit
     assert calls("dp=4,rep=2,zero=3") == pytest.approx(1 + 1 + 3 + 5)  # and each unit's replica all-reduce
     assert calls("tp=2,pp=2,m=2") == pytest.approx(1 + 2)  # the loss over pp; the norm over pp and tp
+
+
+def test_runtime_memory_falls_back_to_the_import_floor_when_its_run_fails(monkeypatch, tmp_path):
+    from meshtrain.plan import bench, host
+
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("meshtrain train failed (1): no room")
+
+    monkeypatch.setattr(bench, "measure", broken)
+    with pytest.warns(RuntimeWarning, match="no room"):
+        value = host.measure_runtime_memory()
+    # an interpreter that has imported torch holds well over 100 MiB, and nothing was cached
+    assert value > 100 * 2**20
+    assert not (tmp_path / "runtime_memory.json").exists()
