@@ -104,7 +104,10 @@ def parse_layout(text: str, **defaults) -> Layout:
         if field in ("ac", "schedule", "precision"):
             values[field] = raw
         elif field in ("sequence_parallel", "overlap_param_gather"):
-            values[field] = raw.lower() in ("1", "true", "yes", "on")
+            flag = raw.lower()
+            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ConfigError(f"--layout {text!r}: {key} takes 1 or 0 (true/false, on/off), got {raw!r}")
+            values[field] = flag in ("1", "true", "yes", "on")
         else:
             try:
                 values[field] = int(raw)

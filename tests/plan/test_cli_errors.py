@@ -50,6 +50,7 @@ def test_batch_and_pipeline_constraints_name_the_fix():
     (BASE + ["--layout", "dp=8"], "not --gpus 16"),
     (["plan", "--model", "llama3-405b", "--cluster", "a100", "--gpus", "8", "--global-batch", "8", "--seq", "8192",
       "--search"], "fits no layout"),
+    (BASE + ["--layout", "dp=16,zero=1,opg=maybe"], "opg takes 1 or 0"),
 ])
 def test_cli_exits_2_with_the_error(argv, needle, capsys):
     assert main(argv) == 2
