@@ -22,9 +22,10 @@ from .step import Prediction
 DEVICE_PRESETS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 """A CUDA device name's marker -> the cluster preset that prices it."""
 
-LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "zero_stage", "microbatches", "schedule", "virtual_stages",
-                 "activation_checkpointing", "sequence_parallel", "dp_replicate")
-"""The ``[parallel]`` keys auto sets."""
+LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "zero_stage": "zero_stage",
+                 "microbatches": "microbatches", "schedule": "schedule", "virtual_stages": "virtual",
+                 "activation_checkpointing": "ac", "sequence_parallel": "sp", "dp_replicate": "dp_replicate"}
+"""The ``[parallel]`` keys auto sets -> the planner ``Layout`` attribute each takes."""
 
 
 def cluster_for(device: str) -> Cluster:
@@ -45,10 +46,7 @@ def cluster_for(device: str) -> Cluster:
 
 
 def _settings(pred: Prediction) -> dict[str, Any]:
-    lay = pred.layout
-    return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero_stage": lay.zero_stage,
-            "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual_stages": lay.virtual,
-            "activation_checkpointing": lay.ac, "sequence_parallel": lay.sp, "dp_replicate": lay.dp_replicate}
+    return {key: getattr(pred.layout, attr) for key, attr in LAYOUT_FIELDS.items()}
 
 
 def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, top: int = 50) -> Prediction:

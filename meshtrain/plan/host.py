@@ -63,10 +63,10 @@ def measure_bandwidth(repeats: int = 30) -> float:
     a write), the best of ``repeats``; cached, keeping the highest figure seen."""
     import torch
 
+    from .profile import intra_op_threads
+
     key = _key()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
+    with intra_op_threads(os.cpu_count() or 1):
         a, b, c = (torch.randn(BANDWIDTH_ELEMENTS) for _ in range(3))
         torch.add(a, b, out=c)
         best = float("inf")
@@ -74,8 +74,6 @@ def measure_bandwidth(repeats: int = 30) -> float:
             t = time.perf_counter()
             torch.add(a, b, out=c)
             best = min(best, time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(threads)
     rate = 3 * 4 * BANDWIDTH_ELEMENTS / best
     cached = _cached("host_bandwidth.json", key)
     if rate <= cached:

@@ -14,11 +14,12 @@ collectives stay analytic.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .architectures import Arch
 from .corun import together
@@ -32,6 +33,28 @@ MAX_PROFILED_ELEMENTS = 50_000_000
 def threads_per_rank(world: int) -> int:
     """Intra-op threads meshtrain's launcher gives each of ``world`` ranks on this host (``share_cores``)."""
     return max(1, (os.cpu_count() or 1) // max(world, 1))
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block, and restored after it."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def wall_scaled(fwd: list[float], bwd: list[float], wall: float) -> tuple[float, float]:
+    """The median forward and backward seconds, scaled so that their sum is ``wall``, the loop's wall
+    time per repetition: the medians split forward from backward, and the time slices a rank waits
+    while others hold the cores are counted, as a run pays them."""
+    f, b = statistics.median(fwd), statistics.median(bwd)
+    scale = wall / max(f + b, 1e-12)
+    return f * scale, b * scale
 
 
 def _median_times(forward: Callable[[], Any], budget: float = 0.4, most: int = 60) -> tuple[float, float]:
@@ -56,11 +79,7 @@ def _median_times(forward: Callable[[], Any], budget: float = 0.4, most: int = 6
         f, b = run()
         fwd.append(f)
         bwd.append(b)
-    # the medians split forward from backward; the loop's wall time per repetition sets their sum,
-    # so the time slices a rank waits while others hold the cores are counted, as a run pays them
-    f, b = statistics.median(fwd), statistics.median(bwd)
-    scale = (time.perf_counter() - start) / len(fwd) / max(f + b, 1e-12)
-    return f * scale, b * scale
+    return wall_scaled(fwd, bwd, (time.perf_counter() - start) / len(fwd))
 
 
 def profileable(arch: Arch, tp: int, tokens: int) -> bool:
@@ -106,16 +125,12 @@ def _block(arch: Arch, batch: int, seq: int, threads: int) -> tuple[float, float
 
     cfg = LlamaConfig(vocab_size=arch.vocab_size, dim=arch.dim, n_layers=1, n_heads=arch.n_heads,
                       n_kv_heads=arch.n_kv_heads, ffn_dim=arch.ffn_dim, max_seq_len=seq)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         block = Block(cfg)
         cos, sin = rotary_table(cfg.head_dim, torch.arange(seq), cfg.rope_theta)
         x = torch.randn(batch, seq, arch.dim, requires_grad=True)
         grad = torch.randn(batch, seq, arch.dim)
         return _median_times(lambda: (block(x, cos, sin), grad))
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _head(arch: Arch, tp: int, tokens: int, threads: int) -> tuple[float, float]:
@@ -126,16 +141,11 @@ def _head(arch: Arch, tp: int, tokens: int, threads: int) -> tuple[float, float]
     from ..models.llama import RMSNorm
 
     vocab = max(1, arch.vocab_size // tp)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         norm, head = RMSNorm(arch.dim, 1e-5), nn.Linear(arch.dim, vocab, bias=False)
         x = torch.randn(tokens, arch.dim, requires_grad=True)
         target = torch.randint(0, vocab, (tokens,))
-
         return _median_times(lambda: (F.cross_entropy(head(norm(x)).float(), target), None))
-    finally:
-        torch.set_num_threads(saved)
 
 
 def stage_tensor_sizes(arch: Arch, tp: int, layers: int, shard: int, zero_stage: int) -> tuple[int, ...]:
@@ -155,9 +165,7 @@ def stage_tensor_sizes(arch: Arch, tp: int, layers: int, shard: int, zero_stage:
 def _optimizer(sizes: tuple[int, ...], threads: int) -> float:
     import torch
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         params = [torch.zeros(n, requires_grad=True) for n in sizes]
         for p in params:
             p.grad = torch.randn(p.numel())
@@ -168,7 +176,4 @@ def _optimizer(sizes: tuple[int, ...], threads: int) -> float:
         while steps < 5 or (steps < 60 and time.perf_counter() - start < 0.4):
             opt.step()
             steps += 1
-        seconds = (time.perf_counter() - start) / steps  # wall time: time slices count, as in _median_times
-    finally:
-        torch.set_num_threads(saved)
-    return seconds
+        return (time.perf_counter() - start) / steps  # wall time: time slices count, as in _median_times

@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from .architectures import Arch
 from .corun import started, together
+from .profile import wall_scaled
 
 REPEATS = 20
 """Timed repetitions (after 3 warm-up ones) of the block's forward and backward."""
@@ -72,9 +73,7 @@ def _block(arch: Arch, degrees: tuple[int, int, int, int, int], sp: bool, zero3:
     from ..mesh import Mesh
     from ..models.llama import Llama, LlamaConfig, rotary_table
     from ..parallel.context import cp_positions
-    from ..parallel.parallelize import apply_context_parallel, apply_tensor_parallel, materialize
-
-    from ..parallel.parallelize import ZERO_VIEW
+    from ..parallel.parallelize import ZERO_VIEW, apply_context_parallel, apply_tensor_parallel, materialize
     from ..parallel.zero import ZeroModel
 
     dp, rep, pp, cp, tp = degrees
@@ -110,10 +109,7 @@ def _block(arch: Arch, degrees: tuple[int, int, int, int, int], sp: bool, zero3:
         out.backward(grad)
         fwd.append(t1 - t0)
         bwd.append(time.perf_counter() - t1)
-    # as profile._median_times: medians split forward from backward, wall time per repetition sums them
-    f, b = statistics.median(fwd), statistics.median(bwd)
-    scale = (time.perf_counter() - start) / REPEATS / max(f + b, 1e-12)
-    return f * scale, b * scale
+    return wall_scaled(fwd, bwd, (time.perf_counter() - start) / REPEATS)
 
 
 _ports: dict[int, int] = {}

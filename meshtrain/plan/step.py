@@ -170,17 +170,18 @@ def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageComput
     if layout.dp_replicate > 1:
         rep_t, algos["dp_replicate all_reduce"] = collective(
             "all_reduce", p * GRAD / shard, group_of(layout, cluster, ("dp_replicate",)), cluster)
-    if z in (1, 2) and layout.overlap_param_gather:  # (a peer's) weights gathered behind the next forward
-        gathered = p * (MASTER if layout.precision == "fp32" else 2)
-        ag, algos["dp all_gather"] = collective("all_gather", gathered, g, cluster)
-        return max(0.0, rs - b) + rs / layers + rep_t + max(0.0, ag - f) + ag / layers, p / shard
-    if z in (1, 2):  # gradients reduce-scatter behind the last backward; updated params gathered after
+    compute_weights = p * (MASTER if layout.precision == "fp32" else 2)  # the weights in the compute dtype
+    if z in (1, 2):  # gradients reduce-scatter behind the last backward, then the updated weights are
+        # gathered: in fp32 after the step, or (a peer's opg) in the compute dtype behind the next forward
+        grads_exposed = max(0.0, rs - b) + rs / layers + rep_t
+        if layout.overlap_param_gather:
+            ag, algos["dp all_gather"] = collective("all_gather", compute_weights, g, cluster)
+            return grads_exposed + max(0.0, ag - f) + ag / layers, p / shard
         ag, algos["dp all_gather"] = collective("all_gather", p * MASTER, g, cluster)
-        return max(0.0, rs - b) + rs / layers + rep_t + ag, p / shard
+        return grads_exposed + ag, p / shard
     # ZeRO-3: weights gathered in the compute dtype before each forward and again before each backward
     # (once per step under a pipeline, which keeps them gathered across micro-batches)
-    gather_bytes = p * (MASTER if layout.precision == "fp32" else 2)
-    ag, algos["dp all_gather"] = collective("all_gather", gather_bytes, g, cluster)
+    ag, algos["dp all_gather"] = collective("all_gather", compute_weights, g, cluster)
     if sc.comm_measured:  # this-host timed each block as a ZeRO-3 unit, its gathers included
         return rep_t, p / shard
     times = layout.microbatches if layout.pp == 1 else 1
