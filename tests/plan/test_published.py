@@ -1,22 +1,28 @@
 """Predictions of published runs (torchtitan, Megatron-LM) against the published numbers: the
-validation bar is +-20% with the cluster presets' one set of constants. Runs the model misses are
-strict xfails naming why, so a fix that brings them in turns the suite red until the mark goes."""
+validation bar is +-20% with the cluster presets' one set of constants, and the layout --search
+ranks first must be predicted at least as fast as the published one and fit."""
 
 import pytest
 
 from meshtrain.plan.published import RUNS, check
 
-MISSES = {
-    "Megatron GPT-3 177B, 4608 H100 (strong scaling)": "predicted -23%: without interleaving (Megatron's "
-                                                       "default; the README does not say) 1F1B at m=12, pp=6 "
-                                                       "idles (pp-1)/(m+pp-1) = 29% of the step",
-}
-
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
-def test_prediction_within_20_percent_of_published(run, request):
-    if run.name in MISSES:
-        request.applymarker(pytest.mark.xfail(reason=MISSES[run.name], strict=True))
+def test_prediction_within_20_percent_of_published(run):
     row = check(run, with_search=False)
     assert row["fits"], f"{run.name}: the published layout is predicted not to fit ({row['memory_gib']:.0f} GiB)"
     assert abs(row["error"]) <= 0.20, f"{run.name}: predicted {row['predicted']:.4g} vs {run.value:.4g}"
+
+
+# The search over 96 and 2,304 GPUs takes 15-30 s each on 2 cores; the docs table
+# (python -m meshtrain.plan.published) checks them, the suite checks the others.
+SEARCH_SLOW = {"Megatron GPT-3 177B, 96 H100 (strong scaling)", "Megatron GPT-3 177B, 2304 H100 (model table)"}
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.name not in SEARCH_SLOW],
+                         ids=[r.name for r in RUNS if r.name not in SEARCH_SLOW])
+def test_search_first_is_at_least_as_fast_as_published_and_fits(run):
+    row = check(run, with_search=True)
+    assert row["search_fits"], f"{run.name}: --search's first layout {row['search_layout']} does not fit"
+    assert row["search_at_least_published"], (f"{run.name}: --search's first layout {row['search_layout']} "
+                                              f"is predicted slower than the published {row['layout']}")
