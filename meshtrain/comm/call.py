@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from . import select
-from .algorithms import algorithms_for
+from .algorithms import algorithms_for, native
 from .communicator import Group, current
 from .transport.base import capabilities
 from .types import ReduceOp
@@ -87,12 +87,13 @@ def check_list(lst: Any, g: Group, like: torch.Tensor, name: str) -> None:
             )
 
 
-def choose_algorithm(g: Group, op: str, algorithm: str, nbytes: int) -> str:
-    """The algorithm that runs ``op``: the cost model's choice for "auto", else ``algorithm`` if
-    the group's transport offers it (``algorithms_for``), else ValueError listing those it does."""
-    valid = algorithms_for(op, g.comm.transport.kind)
+def choose_algorithm(g: Group, op: str, algorithm: str, nbytes: int, dtype: torch.dtype | None = None) -> str:
+    """The algorithm that runs ``op``: the cost model's choice for "auto" (never torch's own
+    collective for a ``dtype`` it cannot move), else ``algorithm`` if the group's transport offers
+    it (``algorithms_for``), else ValueError listing those it does."""
     if algorithm == "auto":
-        return select.choose(g, op, nbytes)
+        return select.choose(g, op, nbytes, native_ok=dtype not in native.NO_NATIVE)
+    valid = algorithms_for(op, g.comm.transport.kind)
     if algorithm not in valid:
         hint = " ('native' needs the torch transport)" if algorithm == "native" else ""
         raise ValueError(f"unknown algorithm {algorithm!r} for {op}{hint}: use one of {valid} or 'auto'")

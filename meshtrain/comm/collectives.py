@@ -42,7 +42,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
     sym = (shm_direct.symmetric_of(g.comm.transport, g.ranks, tensor)
            if tensor.dtype == work_dtype(tensor.dtype, rop) else None)
     take_sym = sym is not None and algorithm == "auto" and select.preferred(g, "all_reduce") in (None, "shm")
-    algo = "shm" if take_sym else choose_algorithm(g, "all_reduce", algorithm, nbytes)
+    algo = "shm" if take_sym else choose_algorithm(g, "all_reduce", algorithm, nbytes, tensor.dtype)
     if algo != "shm":
         sym = None
     extra = {} if sym is None else {"symmetric_offset": sym[1]}
@@ -71,7 +71,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group 
     check_dtype(check_tensor(tensor).dtype, rop)
     root = g.check_root(dst, "dst")
     nbytes = tensor.numel() * tensor.element_size()
-    algo = choose_algorithm(g, "reduce", algorithm, nbytes)
+    algo = choose_algorithm(g, "reduce", algorithm, nbytes, tensor.dtype)
     run = implementation("reduce", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
@@ -97,7 +97,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
     check_dtype(check_tensor(tensor).dtype)
     root = g.check_root(src, "src")
     nbytes = tensor.numel() * tensor.element_size()
-    algo = choose_algorithm(g, "broadcast", algorithm, nbytes)
+    algo = choose_algorithm(g, "broadcast", algorithm, nbytes, tensor.dtype)
     run = implementation("broadcast", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
@@ -130,7 +130,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
     check_dtype(check_tensor(tensor).dtype)
     check_list(tensor_list, g, tensor, "tensor_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = choose_algorithm(g, "all_gather", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_gather", algorithm, nbytes, tensor.dtype)
     body = _gathered(g, algo, tensor, tensor_list)
     return runner.run(g, "all_gather", call_meta([tensor.shape], tensor.dtype, algo), body, async_op, nbytes)
 
@@ -149,7 +149,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         )
     outs = list(output_tensor.view(-1).chunk(g.size)) if input_tensor.numel() else [output_tensor.view(-1)[:0]] * g.size
     nbytes = output_tensor.numel() * output_tensor.element_size()
-    algo = choose_algorithm(g, "all_gather", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_gather", algorithm, nbytes, input_tensor.dtype)
     if not output_tensor.is_contiguous():
         raise ValueError("all_gather_into_tensor: output_tensor must be contiguous (call .contiguous())")
     body = _gathered(g, algo, input_tensor, outs, output_tensor.view(-1))
@@ -177,7 +177,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     check_dtype(check_tensor(output, "output").dtype, rop)
     check_list(input_list, g, output, "input_list")
     nbytes = output.numel() * output.element_size() * g.size
-    algo = choose_algorithm(g, "reduce_scatter", algorithm, nbytes)
+    algo = choose_algorithm(g, "reduce_scatter", algorithm, nbytes, output.dtype)
     body = _reduce_scattered(g, algo, rop, output, list(input_list))
     return runner.run(g, "reduce_scatter", call_meta([output.shape], output.dtype, algo, redop=rop.value), body, async_op, nbytes)
 
@@ -197,7 +197,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     n = output.numel()
     ins = [flat[i * n : (i + 1) * n] for i in range(g.size)]
     nbytes = input.numel() * input.element_size()
-    algo = choose_algorithm(g, "reduce_scatter", algorithm, nbytes)
+    algo = choose_algorithm(g, "reduce_scatter", algorithm, nbytes, output.dtype)
     body = _reduce_scattered(g, algo, rop, output, ins)
     return runner.run(g, "reduce_scatter_tensor", call_meta([output.shape], output.dtype, algo, redop=rop.value), body, async_op, nbytes)
 

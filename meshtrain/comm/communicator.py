@@ -32,6 +32,8 @@ class Group:
         self.torch_group = torch_group
         self.pool = BufferPool()
         self.cost_model: Any = None  # fitted lazily by meshtrain.comm.select
+        self.board: Any = None  # the check board (comm/check_board.py), built on the first checked call
+        self.board_built = False
         self._seq = 0
         self._cal_seq = 0
         self._lock = threading.Lock()
@@ -91,7 +93,9 @@ class Group:
             last._done.wait()
 
     def close(self) -> None:
-        """Stop the worker thread."""
+        """Stop the worker thread and drop the check board."""
+        if self.board is not None:
+            self.board.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

@@ -30,7 +30,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
     check_dtype(dtype, rop)
     total = sum(t.numel() for t in tensors)
     nbytes = total * tensors[0].element_size()
-    algo = choose_algorithm(g, "all_reduce", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_reduce", algorithm, nbytes, dtype)
     run = implementation("all_reduce", algo)
 
     def body(ctx: Ctx) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     if g.rank == root:
         check_list(gather_list, g, tensor, "gather_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = choose_algorithm(g, "gather", algorithm, nbytes)
+    algo = choose_algorithm(g, "gather", algorithm, nbytes, tensor.dtype)
     run = implementation("gather", algo)
 
     def body(ctx: Ctx) -> Any:
@@ -44,7 +44,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     if g.rank == root:
         check_list(scatter_list, g, tensor, "scatter_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
-    algo = choose_algorithm(g, "scatter", algorithm, nbytes)
+    algo = choose_algorithm(g, "scatter", algorithm, nbytes, tensor.dtype)
     run = implementation("scatter", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
@@ -68,7 +68,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
         raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes))}")
     dtype = input_tensor_list[0].dtype
     nbytes = sum(t.numel() * t.element_size() for t in input_tensor_list)
-    algo = choose_algorithm(g, "all_to_all", algorithm, nbytes)
+    algo = choose_algorithm(g, "all_to_all", algorithm, nbytes, dtype)
     run = implementation("all_to_all", algo)
     # Pairwise sizes are checked by the metadata exchange: rank i's send to j must equal j's recv from i.
     sends = [t.numel() for t in input_tensor_list]

@@ -229,11 +229,17 @@ def preferred(group, op: str) -> str | None:
     return name
 
 
-# Sizes (bytes) from which auto takes gloo's own collective on the torch transport over gloo: its
-# ring in C++ beat meshtrain's Python algorithms over gloo's point-to-point there (all_reduce at
-# p=4: auto 0.54-0.68x gloo at 2-8 MB, 0.79-0.81x at p=2 at 1 and 8 MB; below 1 MB auto ran
-# 1.0-2.1x gloo). gloo's reduce_scatter and all_gather lost to auto at every size measured.
-NATIVE_FROM_GLOO = {"all_reduce": 1 << 20}
+# Sizes (bytes, [from, below)) where auto takes gloo's own collective on the torch transport over
+# gloo; elsewhere the cost model picks one of meshtrain's. Measured with the check on its board
+# (comm/check_board.py; docs/benchmarks.md, session 12):
+# - groups of two, every size: each step of meshtrain's algorithms is a gloo send/recv pair, and
+#   one such message cost more than gloo's whole collective below 1 MB (auto at 0.26-0.64x gloo's
+#   all_reduce, 0.30-0.77x its all_gather and reduce_scatter, where gloo's own ran 0.7-1.2x);
+# - larger groups: all_reduce from 1 MB (gloo's ring in C++ against meshtrain's Python algorithms:
+#   auto 0.54-0.68x gloo at 2-8 MB on four ranks), all_gather below 1 MB (auto 0.69-0.80x; gloo's
+#   own 0.95-1.19x there but 0.71-0.90x from 1 MB). reduce_scatter stays meshtrain's (1.1-1.6x).
+NATIVE_FROM_GLOO_PAIR = {"all_reduce": (0, math.inf), "all_gather": (0, math.inf), "reduce_scatter": (0, math.inf)}
+NATIVE_FROM_GLOO = {"all_reduce": (1 << 20, math.inf), "all_gather": (0, 1 << 20)}
 
 # Sizes (bytes) from which auto takes hierarchical on a group spanning hosts with shm inside each
 # (below 1 MiB the model's recursive doubling or tree did as well for all_reduce).
@@ -248,20 +254,23 @@ def _hosts_on_shm(group) -> bool:
             and 1 < len(set(group.hosts)) < group.size)
 
 
-def choose(group, op: str, nbytes: int) -> str:
+def choose(group, op: str, nbytes: int, native_ok: bool = True) -> str:
     """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member),
-    or the communicator's preferred algorithm where it is valid for ``op`` on ``group``."""
+    or the communicator's preferred algorithm where it is valid for ``op`` on ``group``.
+    ``native_ok=False`` (a dtype torch's collectives cannot move) keeps to meshtrain's algorithms."""
     pref = preferred(group, op)
     if pref is not None:  # the user's choice (the training config's comm.algorithm) beats the model
         return pref
     t = group.comm.transport
     caps = capabilities(t)
-    if caps.native_collectives and "nccl" in str(getattr(t, "backend", "")) and "native" in algorithms_for(op, t.kind):
+    native_ok = native_ok and caps.native_collectives
+    if native_ok and "nccl" in str(getattr(t, "backend", "")) and "native" in algorithms_for(op, t.kind):
         # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
         # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
         return "native"
-    if caps.native_collectives and nbytes >= NATIVE_FROM_GLOO.get(op, math.inf) and "native" in algorithms_for(op, t.kind):
-        return "native"  # gloo's own ring from 1 MB (measured above NATIVE_FROM_GLOO)
+    lo, hi = (NATIVE_FROM_GLOO_PAIR if group.size == 2 else NATIVE_FROM_GLOO).get(op, (math.inf, math.inf))
+    if native_ok and lo <= nbytes < hi and "native" in algorithms_for(op, t.kind):
+        return "native"  # gloo's own where it was measured faster (NATIVE_FROM_GLOO)
     if op in shm_direct.ALGORITHMS and on_shared_memory(t, group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
         # this transport at every size measured (docs/benchmarks.md, "auto on the shm

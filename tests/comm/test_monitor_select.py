@@ -126,9 +126,20 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
         assert select.choose(group("cpu:gloo,cuda:nccl"), op, 1 << 20) == "native"
     assert any(select.choose(group("gloo"), op, 1 << 20) != "native" for op in ops)
     # gloo: its own all_reduce from select.NATIVE_FROM_GLOO on, the cost model below it
-    assert select.choose(group("gloo"), "all_reduce", select.NATIVE_FROM_GLOO["all_reduce"]) == "native"
-    assert select.choose(group("gloo"), "all_reduce", select.NATIVE_FROM_GLOO["all_reduce"] // 2) != "native"
+    lo, _ = select.NATIVE_FROM_GLOO["all_reduce"]
+    assert select.choose(group("gloo"), "all_reduce", lo) == "native"
+    assert select.choose(group("gloo"), "all_reduce", lo // 2) != "native"
+    _, hi = select.NATIVE_FROM_GLOO["all_gather"]
+    assert select.choose(group("gloo"), "all_gather", hi // 2) == "native"
+    assert select.choose(group("gloo"), "all_gather", hi) != "native"
     assert select.choose(group("gloo"), "reduce_scatter", 1 << 24) != "native"
+    # a group of two takes gloo's own at every size
+    pair = group("gloo")
+    pair.size, pair.ranks, pair.hosts = 2, [0, 1], ["h"] * 2
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert select.choose(pair, op, 4096) == "native" and select.choose(pair, op, 1 << 26) == "native"
+        # but not for a dtype gloo cannot move (int16): meshtrain's own algorithms then
+        assert select.choose(pair, op, 4096, native_ok=False) != "native"
 
 
 def test_algorithms_follow_the_transport_capabilities(monkeypatch):

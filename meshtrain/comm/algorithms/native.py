@@ -7,7 +7,9 @@ so list-valued results are permuted between the two orders here.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,8 +27,11 @@ _TORCH_OPS = {
     ReduceOp.BOR: dist.ReduceOp.BOR,
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
+# The flat-tensor forms (torch 2.13 renamed them *_single and deprecated the old names).
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # meshtrain's own algorithms move these; torch's gloo and NCCL collectives refuse them.
-_NO_NATIVE = (torch.int16,)
+NO_NATIVE = (torch.int16,)
 
 
 class Aborted(Exception):
@@ -38,36 +43,52 @@ class Guard:
     asynchronously and waited for until it completes or the check fails (``fail``), whichever
     comes first, so a mismatched call that torch would hang on is named at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll: Callable[[], None] | None = None,
+                 settle: Callable[[], None] | None = None) -> None:
         self.failed = False
         self.checked = threading.Event()  # set by the runner once the check has a verdict
-        self._lock = threading.Lock()
-        self._events: list[threading.Event] = []
+        # With a check board (comm/check_board.py) there is no check thread: the waiter itself
+        # looks at the board (``poll``, which calls ``fail`` on a difference) between short waits,
+        # and an op without a future is waited for once the board agrees (``settle``).
+        self._poll = poll
+        self._settle = settle if settle is not None else self.checked.wait
 
     def fail(self) -> None:
-        """The check failed (or timed out): wake every wait."""
-        with self._lock:
-            self.failed = True
-            for e in self._events:
-                e.set()
+        """The check failed (or timed out): the wait stops at its next look."""
+        self.failed = True
 
     def wait(self, work: dist.Work) -> None:
-        """Wait for ``work``; raise ``Aborted`` if the check fails first."""
-        done = threading.Event()
-        with self._lock:
+        """Wait for ``work``; raise ``Aborted`` if the check fails first.
+
+        The wait polls ``is_completed``: it yields the core for the first YIELD_S (gloo's threads
+        finish a small op in that time), then sleeps in short steps, looking at the check between
+        them. On 2 cores this came out as fast as torch's blocking wait (a future's callback costs
+        two more thread hand-offs: 100-250 us a call; docs/benchmarks.md, session 12)."""
+        if self.failed:
+            raise Aborted()
+        try:
+            work.get_future()
+        except RuntimeError:  # some gloo works (reduce_scatter) have no future and complete only
+            self._settle()  # inside wait(): let the check finish first, as if run before
+            if self.failed:
+                raise Aborted() from None
+            work.wait()
+            return
+        started = time.monotonic()
+        while not work.is_completed():
+            spent = time.monotonic() - started
+            if spent < YIELD_S:
+                os.sched_yield()
+                continue
+            if self._poll is not None:
+                self._poll()
             if self.failed:
                 raise Aborted()
-            self._events.append(done)
-        try:
-            work.get_future().then(lambda _: done.set())
-        except RuntimeError:  # some gloo works (reduce_scatter) have no future and complete only
-            self.checked.wait()  # inside wait(): let the check finish first, as if run before
-            done.set()
-        done.wait()
-        if self.failed and not work.is_completed():
-            raise Aborted()
+            time.sleep(min(MAX_SLEEP_S, max(MIN_SLEEP_S, spent / 16)))
         work.wait()  # completed: raises its error, if any
 
+
+YIELD_S, MIN_SLEEP_S, MAX_SLEEP_S = 200e-6, 50e-6, 1e-3
 
 _local = threading.local()
 
@@ -91,7 +112,7 @@ def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype in _NO_NATIVE:
+    if t.dtype in NO_NATIVE:
         raise RuntimeError(f"algorithm='native' cannot move {t.dtype}: torch.distributed's gloo and NCCL "
                            "collectives do not support it; use algorithm='auto' (meshtrain's own algorithms do)")
     return t
@@ -122,13 +143,37 @@ def broadcast(pg, buf: torch.Tensor, root_global: int) -> None:
     _run(dist.broadcast, _check(buf), root_global, group=pg)
 
 
+def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat tensor whose consecutive blocks are ``ts`` (contiguous, one dtype, adjacent in one
+    storage), or None: gloo's tensor forms of all-gather and reduce-scatter skip the list forms'
+    per-block copies."""
+    first = ts[0]
+    if first.device.type != "cpu":  # NCCL's list forms are not slower; keep one path there
+        return None
+    es, at = first.element_size(), first.data_ptr()
+    for t in ts:
+        if not t.is_contiguous() or t.dtype != first.dtype or t.data_ptr() != at:
+            return None
+        at += t.numel() * es
+    total = sum(t.numel() for t in ts)
+    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
+
+
 def all_gather(pg, ranks: list[int], outs: list[torch.Tensor], inp: torch.Tensor) -> None:
     """torch.distributed.all_gather into ``outs`` (meshtrain group order)."""
+    whole = joined(outs) if ranks == sorted(ranks) else None
+    if whole is not None:
+        _run(_ALL_GATHER_SINGLE, whole, _check(inp).reshape(-1), group=pg)
+        return
     _run(dist.all_gather, [outs[i] for i in order(ranks)], _check(inp), group=pg)
 
 
 def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> None:
     """torch.distributed.reduce_scatter with ``ins`` in meshtrain group order."""
+    whole = joined(ins) if ranks == sorted(ranks) and out.is_contiguous() else None
+    if whole is not None and whole.dtype == out.dtype:
+        _run(_REDUCE_SCATTER_SINGLE, _check(out), whole, torch_op(op), group=pg)
+        return
     _run(dist.reduce_scatter, _check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
 
 

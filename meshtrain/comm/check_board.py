@@ -1,0 +1,139 @@
+"""The metadata check of a torch-transport group whose ranks share one host, on a shared board.
+
+On the torch transport the check used to be an all-gather through the TCPStore: two or three
+round trips to the store per collective, as much as a small gloo collective itself. When every
+member of a group runs on this host, each member instead owns a small /dev/shm segment (the
+board) and, before a collective's data moves, writes the call's sequence number and metadata
+fingerprint into slot ``seq % SLOTS`` of it. Reading the peers' slots is then a few loads:
+
+* around torch's own (``native``) collectives nobody waits for the board at all. A rank posts,
+  runs gloo's op, and compares once the op is done: an all-reduce cannot finish before every
+  member entered it, so by then every peer's fingerprint is there. While the op is in flight the
+  board is polled, so a mismatched call that gloo would hang on (or garble) is named at once;
+* before meshtrain's own algorithms a rank waits (spin, yield, futex) for every peer's slot and
+  compares, as the shm transport's first step does.
+
+A difference sends every member to the store exchange of the full metadata, which names the
+ranks and what each passed. Call ``s`` uses slot ``s % SLOTS``; a rank reuses a slot only once
+every peer has compared the call that used it before (``VERIFIED``), so no slot is overwritten
+before it was read. Across hosts the store exchange stays: the board needs one /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Sequence
+
+from .transport import shm_memory as mem
+from .transport.base import PeerTimeout
+
+SLOTS = 64
+LATEST, WAITING, VERIFIED = 0, 8, 16  # int64 counters, a cache line apart
+SLOT_AT = 24  # slot i: (seq, fingerprint) at SLOT_AT + 2 i
+WORDS = SLOT_AT + 2 * SLOTS
+
+
+def usable(transport: Any, hosts: Sequence[str]) -> bool:
+    """True if a torch-transport group on ``hosts`` can check on a board: all on this host, with a
+    writable /dev/shm (``MESHTRAIN_CHECK_BOARD=0`` turns it off)."""
+    return (getattr(transport, "kind", "") == "torch" and len(hosts) > 1 and len(set(hosts)) == 1
+            and os.environ.get("MESHTRAIN_CHECK_BOARD", "1") != "0" and os.access(mem.SHM_DIR, os.W_OK))
+
+
+class CheckBoard:
+    """The board of one group (collective to build: every member builds it at the same call)."""
+
+    def __init__(self, transport: Any, ranks: Sequence[int], me: int, key: str, timeout: float) -> None:
+        self.ranks, self.me = list(ranks), me
+        self.others = [k for k in range(len(ranks)) if k != me]
+        own = mem.Segment.create(f"{mem.PREFIX}{os.getpid()}.board.{uuid.uuid4().hex[:16]}", 8 * WORDS)
+        try:
+            names = transport.exchange(f"{key}/names", self.ranks, own.name, timeout)
+            self._segs = [own if k == me else mem.Segment.open(n) for k, n in enumerate(names)]
+            missing = [self.ranks[k] for k, s in enumerate(self._segs) if s is None]
+            if missing:
+                raise PeerTimeout(f"the check boards of ranks {missing} are not in {mem.SHM_DIR}", missing)
+            transport.exchange(f"{key}/mapped", self.ranks, "", timeout)  # then no one needs the name
+        finally:
+            own.unlink()
+        self.words = [s.i64(0, WORDS) for s in self._segs]
+        self._slot_seq = [0] * SLOTS  # the call that last used each of my slots
+        self._addr = [w.ctypes.data for w in self.words]
+
+    # -- writing -----------------------------------------------------------------------------------
+    def post(self, seq: int, fp: int, deadline: float) -> None:
+        """Post call ``seq``'s fingerprint, once every peer has compared the call that used its
+        slot before (``SLOTS`` or more calls ago: calls with the check off post nothing)."""
+        before = self._slot_seq[seq % SLOTS]
+        if before:
+            self._wait(lambda k: self.words[k][VERIFIED] >= before, deadline, f"call {before} compared",
+                       VERIFIED, before)
+        self._slot_seq[seq % SLOTS] = seq
+        mine = self.words[self.me]
+        at = SLOT_AT + 2 * (seq % SLOTS)
+        mine[at + 1] = fp
+        mem.fence()  # the fingerprint is visible before the sequence number that vouches for it
+        mine[at] = seq
+        self._publish(LATEST, seq)
+
+    def compared(self, seq: int) -> None:
+        """Tell the peers this rank is done reading call ``seq``'s slots."""
+        self._publish(VERIFIED, seq)
+
+    def _publish(self, index: int, value: int) -> None:
+        mine = self.words[self.me]
+        mine[index] = value
+        mem.fence()  # the store before the look at the sleepers' flags (see ShmArea.publish)
+        if any(self.words[k][WAITING] for k in self.others):
+            mem.futex_wake(self._addr[self.me] + 8 * index)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def absent(self, seq: int) -> list[int]:
+        """Global ranks that have not posted call ``seq`` yet."""
+        return [self.ranks[k] for k in self.others if self.words[k][LATEST] < seq]
+
+    def differs(self, seq: int, fp: int) -> bool | None:
+        """True if a peer posted another fingerprint for ``seq``, False if all posted ``fp``, None
+        while some have not posted."""
+        at = SLOT_AT + 2 * (seq % SLOTS)
+        mem.fence()
+        for k in self.others:
+            w = self.words[k]
+            if w[at] != seq:
+                return None
+            if w[at + 1] != fp:
+                return True
+        return False
+
+    def wait_posted(self, seq: int, deadline: float, what: str) -> None:
+        """Wait until every peer posted ``seq``; PeerTimeout naming those that never did."""
+        self._wait(lambda k: self.words[k][LATEST] >= seq, deadline, what, LATEST, seq)
+
+    def _wait(self, ok, deadline: float, what: str, index: int, target: int) -> None:
+        if all(ok(k) for k in self.others):
+            return
+        mine = self.words[self.me]
+
+        def expire() -> None:
+            late = [self.ranks[k] for k in self.others if not ok(k)]
+            raise PeerTimeout(f"rank(s) {late} never got to {what}", late, never_arrived=True)
+
+        def sleep_on() -> tuple[int, int]:
+            mine[WAITING] = 1
+            mem.fence()
+            for k in self.others:
+                v = int(self.words[k][index])
+                if v < target:
+                    return self._addr[k] + 8 * index, v
+            return 0, 0
+
+        try:
+            mem.block(lambda: all(ok(k) for k in self.others), deadline, expire, lambda: None, sleep_on)
+        finally:
+            mine[WAITING] = 0
+
+    def close(self) -> None:
+        """Drop the mappings."""
+        self.words, self._segs = [], []
+
