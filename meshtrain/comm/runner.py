@@ -12,7 +12,9 @@ ahead of any other algorithm) and is compared there; the full metadata is exchan
 fingerprints differ, to name the ranks. The hierarchical collectives across hosts of the shm
 transport carry it the same way (``hierarchical.Check``: inside each host, then 16 bytes between
 the host leaders before any data crosses). A ``native`` call (torch.distributed's own op) runs the
-store exchange beside the op instead of before it (``_native_checked_beside``).
+store exchange beside the op instead of before it (``_native_checked_beside``). A torch-transport
+group whose ranks share one host checks on a shared board instead of the store
+(``check_board.py``): posted before the call, compared after torch's own ops and before meshtrain's.
 """
 
 from __future__ import annotations
