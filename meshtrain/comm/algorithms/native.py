@@ -172,7 +172,8 @@ def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tens
     """torch.distributed.reduce_scatter with ``ins`` in meshtrain group order."""
     whole = joined(ins) if ranks == sorted(ranks) and out.is_contiguous() else None
     if whole is not None and whole.dtype == out.dtype:
-        _run(_REDUCE_SCATTER_SINGLE, _check(out), whole, torch_op(op), group=pg)
+        # gloo checks dim 0 (output rows x world == input rows): both flat
+        _run(_REDUCE_SCATTER_SINGLE, _check(out).view(-1), whole, torch_op(op), group=pg)
         return
     _run(dist.reduce_scatter, _check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
 
