@@ -4,14 +4,12 @@ On the torch transport the check used to be an all-gather through the TCPStore: 
 round trips to the store per collective, as much as a small gloo collective itself. When every
 member of a group runs on this host, each member instead owns a small /dev/shm segment (the
 board) and, before a collective's data moves, writes the call's sequence number and metadata
-fingerprint into slot ``seq % SLOTS`` of it. Reading the peers' slots is then a few loads:
-
-* around torch's own (``native``) collectives nobody waits for the board at all. A rank posts,
-  runs gloo's op, and compares once the op is done: an all-reduce cannot finish before every
-  member entered it, so by then every peer's fingerprint is there. While the op is in flight the
-  board is polled, so a mismatched call that gloo would hang on (or garble) is named at once;
-* before meshtrain's own algorithms a rank waits (spin, yield, futex) for every peer's slot and
-  compares, as the shm transport's first step does.
+fingerprint into slot ``seq % SLOTS`` of it, waits (spin, yield, futex: ``shm_memory.block``)
+until every peer's slot holds the same call, and compares: a few loads where the store took round
+trips. The check stays before the data, also for torch's own collectives: a rank could post,
+run gloo's op and compare afterwards (an all-reduce cannot finish before every member posted),
+but gloo handed mismatched sizes can abort a process from its own thread ("Received data size
+doesn't match"); checked first, the group stays usable and every rank names the mismatch.
 
 A difference sends every member to the store exchange of the full metadata, which names the
 ranks and what each passed. Call ``s`` uses slot ``s % SLOTS``; a rank reuses a slot only once
@@ -41,23 +39,42 @@ def usable(transport: Any, hosts: Sequence[str]) -> bool:
             and os.environ.get("MESHTRAIN_CHECK_BOARD", "1") != "0" and os.access(mem.SHM_DIR, os.W_OK))
 
 
-class CheckBoard:
-    """The board of one group (collective to build: every member builds it at the same call)."""
+def build(transport: Any, ranks: Sequence[int], me: int, key: str, timeout: float) -> "CheckBoard | None":
+    """The group's board (collective: every member calls it at the same call), or None on every
+    member if any of them cannot create or map the segments (one host id but separate /dev/shm,
+    as in containers that share a kernel; a full /dev/shm): the check then stays on the store."""
+    try:
+        own: mem.Segment | None = mem.Segment.create(f"{mem.PREFIX}{os.getpid()}.board.{uuid.uuid4().hex[:16]}",
+                                                     8 * WORDS)
+    except OSError:
+        own = None
+    try:
+        names = transport.exchange(f"{key}/names", list(ranks), own.name if own is not None else "", timeout)
+        segs = [own if k == me else (mem.Segment.open(n) if n else None) for k, n in enumerate(names)]
+        mapped = all(s is not None for s in segs)
+        verdicts = transport.exchange(f"{key}/mapped", list(ranks), "ok" if mapped else "no", timeout)
+    finally:
+        if own is not None:
+            own.unlink()  # every member has answered: no one opens it by name any more
+    return CheckBoard(list(ranks), me, segs) if all(v == "ok" for v in verdicts) else None
 
-    def __init__(self, transport: Any, ranks: Sequence[int], me: int, key: str, timeout: float) -> None:
-        self.ranks, self.me = list(ranks), me
+
+def checks_first(group: Any) -> bool:
+    """True if ``group``'s metadata check runs on a board, before any data moves (its board is
+    built, or will be on its first call); the same answer on every member."""
+    if getattr(group, "board_built", False):
+        return group.board is not None
+    return usable(group.comm.transport, group.hosts)
+
+
+class CheckBoard:
+    """The board of one group, over every member's mapped segment (built by ``build``)."""
+
+    def __init__(self, ranks: list[int], me: int, segs: list[mem.Segment]) -> None:
+        self.ranks, self.me = ranks, me
         self.others = [k for k in range(len(ranks)) if k != me]
-        own = mem.Segment.create(f"{mem.PREFIX}{os.getpid()}.board.{uuid.uuid4().hex[:16]}", 8 * WORDS)
-        try:
-            names = transport.exchange(f"{key}/names", self.ranks, own.name, timeout)
-            self._segs = [own if k == me else mem.Segment.open(n) for k, n in enumerate(names)]
-            missing = [self.ranks[k] for k, s in enumerate(self._segs) if s is None]
-            if missing:
-                raise PeerTimeout(f"the check boards of ranks {missing} are not in {mem.SHM_DIR}", missing)
-            transport.exchange(f"{key}/mapped", self.ranks, "", timeout)  # then no one needs the name
-        finally:
-            own.unlink()
-        self.words = [s.i64(0, WORDS) for s in self._segs]
+        self._segs = segs
+        self.words = [s.i64(0, WORDS) for s in segs]
         self._slot_seq = [0] * SLOTS  # the call that last used each of my slots
         self._addr = [w.ctypes.data for w in self.words]
 

@@ -14,7 +14,7 @@ transport carry it the same way (``hierarchical.Check``: inside each host, then 
 the host leaders before any data crosses). A ``native`` call (torch.distributed's own op) runs the
 store exchange beside the op instead of before it (``_native_checked_beside``). A torch-transport
 group whose ranks share one host checks on a shared board instead of the store
-(``check_board.py``): posted before the call, compared after torch's own ops and before meshtrain's.
+(``check_board.py``): posted, then awaited and compared before any data moves.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
         # A torch-transport group on one host checks on its shared board (comm/check_board.py).
         board = board_of(g) if checked and not fused else None
-        native_call = meta.get("algorithm") == "native" and pairwise is None and not force_exchange
-        beside = checked and not fused and board is None and native_call
+        beside = (checked and not fused and board is None and not force_exchange and pairwise is None
+                  and meta.get("algorithm") == "native")
         try:
             if checked:
                 payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
@@ -131,17 +131,14 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             try:
                 if fused and local and meta.get("algorithm") != "shm":
                     shm_direct.check_only(ctx)
-                if board is not None and native_call:
-                    result = _native_on_board(board, seq, fp, body, ctx, deadline)
-                else:
-                    if board is not None:
-                        board.wait_posted(seq, deadline, f"{name} #{seq}")
-                        if board.differs(seq, fp):
-                            raise FingerprintMismatch()
-                        if pairwise is not None or force_exchange:
-                            _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
-                                                                           g.timeout))
-                    result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
+                if board is not None:  # before any data moves: gloo given mismatched sizes can abort
+                    board.wait_posted(seq, deadline, f"{name} #{seq}")  # a process from its own thread
+                    if board.differs(seq, fp):
+                        raise FingerprintMismatch()
+                    if pairwise is not None or force_exchange:
+                        _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
+                                                                       g.timeout))
+                result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
             except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
                 payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
                 _compare(name, seq, g, payloads)
@@ -179,53 +176,8 @@ def board_of(g: Group) -> CheckBoard | None:
     if not g.board_built:
         g.board_built = True
         if check_board.usable(g.comm.transport, g.hosts):
-            g.board = CheckBoard(g.comm.transport, g.ranks, g.rank, f"b/{g.gid}", g.timeout)
+            g.board = check_board.build(g.comm.transport, g.ranks, g.rank, f"b/{g.gid}", g.timeout)
     return g.board
-
-
-def _native_on_board(board: CheckBoard, seq: int, fp: int, body: Callable[[Ctx], Any], ctx: Ctx,
-                     deadline: float) -> Any:
-    """Run a native (torch.distributed) call checked on the board: posted before, compared after
-    (nothing waits for the board in between), and looked at while torch's op is in flight, so a
-    mismatched call that gloo would hang on or garble is named at once."""
-    state: list[str] = []
-
-    def poll() -> None:
-        if board.differs(seq, fp):
-            state.append("mismatch")
-            guard.fail()
-        elif time.monotonic() > deadline:
-            state.append("timeout")
-            guard.fail()
-
-    def settle() -> None:  # an op without a future: compare before waiting inside it
-        board.wait_posted(seq, deadline, f"call #{seq}")
-        if board.differs(seq, fp):
-            raise FingerprintMismatch()
-
-    guard = native.Guard(poll=poll, settle=settle)
-    try:
-        with native.guarded(guard):
-            result = body(ctx)
-    except native.Aborted:
-        result = None
-    except (FingerprintMismatch, PeerTimeout):
-        raise
-    except Exception as exc:  # gloo's own error: its timeout, or a peer that reset the connection
-        if board.differs(seq, fp):  # over a mismatched call
-            raise FingerprintMismatch() from None
-        if "imed out" not in str(exc):
-            raise
-        state.append("timeout")
-    if "timeout" in state:
-        absent = board.absent(seq)
-        if absent:
-            raise PeerTimeout(f"rank(s) {absent} never called it", absent, never_arrived=True)
-        raise PeerTimeout("torch's op did not complete", [r for r in ctx.ranks if r != ctx.ranks[ctx.rank]])
-    board.wait_posted(seq, deadline, f"call #{seq}")  # a rooted op can end before every peer began
-    if "mismatch" in state or board.differs(seq, fp):
-        raise FingerprintMismatch()
-    return result
 
 
 def _native_checked_beside(g: Group, name: str, seq: int, payload: str, body: Callable[[Ctx], Any],

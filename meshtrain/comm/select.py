@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import check_board
 from .algorithms import REGISTRY, algorithms_for, shm_direct
 from .algorithms.base import Ctx
 from .transport.base import capabilities, on_shared_memory
@@ -238,8 +239,11 @@ def preferred(group, op: str) -> str | None:
 # - larger groups: all_reduce from 1 MB (gloo's ring in C++ against meshtrain's Python algorithms:
 #   auto 0.54-0.68x gloo at 2-8 MB on four ranks), all_gather below 1 MB (auto 0.69-0.80x; gloo's
 #   own 0.95-1.19x there but 0.71-0.90x from 1 MB). reduce_scatter stays meshtrain's (1.1-1.6x).
+# The last two rules need the check before the data (a board, one host): checked beside gloo's op
+# (across hosts), a mismatched call can end a process inside gloo before the check names it.
+NATIVE_FROM_GLOO = {"all_reduce": (1 << 20, math.inf)}
 NATIVE_FROM_GLOO_PAIR = {"all_reduce": (0, math.inf), "all_gather": (0, math.inf), "reduce_scatter": (0, math.inf)}
-NATIVE_FROM_GLOO = {"all_reduce": (1 << 20, math.inf), "all_gather": (0, 1 << 20)}
+NATIVE_FROM_GLOO_BOARD = {"all_reduce": (1 << 20, math.inf), "all_gather": (0, 1 << 20)}
 
 # Sizes (bytes) from which auto takes hierarchical on a group spanning hosts with shm inside each
 # (below 1 MiB the model's recursive doubling or tree did as well for all_reduce).
@@ -268,7 +272,10 @@ def choose(group, op: str, nbytes: int, native_ok: bool = True) -> str:
         # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
         # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
         return "native"
-    lo, hi = (NATIVE_FROM_GLOO_PAIR if group.size == 2 else NATIVE_FROM_GLOO).get(op, (math.inf, math.inf))
+    rules = NATIVE_FROM_GLOO
+    if check_board.checks_first(group):
+        rules = NATIVE_FROM_GLOO_PAIR if group.size == 2 else NATIVE_FROM_GLOO_BOARD
+    lo, hi = rules.get(op, (math.inf, math.inf))
     if native_ok and lo <= nbytes < hi and "native" in algorithms_for(op, t.kind):
         return "native"  # gloo's own where it was measured faster (NATIVE_FROM_GLOO)
     if op in shm_direct.ALGORITHMS and on_shared_memory(t, group.ranks) and group.size > 1:

@@ -77,3 +77,27 @@ def _board_off(rank: int) -> bool:
 def test_board_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MESHTRAIN_CHECK_BOARD", "0")
     assert spawn(2, _board_off, timeout=60) == [True, True]
+
+
+def _separate_shm(rank: int, tmp: str) -> tuple:
+    import meshtrain.comm as mc
+    from meshtrain.comm.transport import shm_memory as mem
+
+    if rank == 1:  # one host id, but another /dev/shm (containers sharing a kernel)
+        mem.SHM_DIR = tmp
+    x = torch.ones(3)
+    mc.all_reduce(x)
+    board = mc.current().groups[0].board
+    try:
+        mc.all_reduce(torch.ones(4 if rank != 1 else 6))  # without a board auto keeps the check first
+        named = ""
+    except CollectiveMismatch as exc:
+        named = str(exc)
+    return board is None, x.tolist(), named
+
+
+def test_unmappable_board_falls_back_to_the_store(tmp_path):
+    for none, x, named in spawn(2, _separate_shm, str(tmp_path), timeout=60, comm_timeout=20):
+        assert none, "no member keeps a board that a peer could not map"
+        assert x == [2.0, 2.0, 2.0]
+        assert "ranks [1]: all_reduce shapes=[[6]]" in named

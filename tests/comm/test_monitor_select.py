@@ -129,7 +129,7 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
     lo, _ = select.NATIVE_FROM_GLOO["all_reduce"]
     assert select.choose(group("gloo"), "all_reduce", lo) == "native"
     assert select.choose(group("gloo"), "all_reduce", lo // 2) != "native"
-    _, hi = select.NATIVE_FROM_GLOO["all_gather"]
+    _, hi = select.NATIVE_FROM_GLOO_BOARD["all_gather"]
     assert select.choose(group("gloo"), "all_gather", hi // 2) == "native"
     assert select.choose(group("gloo"), "all_gather", hi) != "native"
     assert select.choose(group("gloo"), "reduce_scatter", 1 << 24) != "native"
@@ -140,6 +140,11 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
         assert select.choose(pair, op, 4096) == "native" and select.choose(pair, op, 1 << 26) == "native"
         # but not for a dtype gloo cannot move (int16): meshtrain's own algorithms then
         assert select.choose(pair, op, 4096, native_ok=False) != "native"
+    # across hosts (no board: the check would run beside gloo's op) only the all_reduce rule holds
+    pair.hosts = ["a", "b"]
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert select.choose(pair, op, 4096) != "native"
+    assert select.choose(pair, "all_reduce", 1 << 20) == "native"
 
 
 def test_algorithms_follow_the_transport_capabilities(monkeypatch):

@@ -43,15 +43,9 @@ class Guard:
     asynchronously and waited for until it completes or the check fails (``fail``), whichever
     comes first, so a mismatched call that torch would hang on is named at once."""
 
-    def __init__(self, poll: Callable[[], None] | None = None,
-                 settle: Callable[[], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.failed = False
         self.checked = threading.Event()  # set by the runner once the check has a verdict
-        # With a check board (comm/check_board.py) there is no check thread: the waiter itself
-        # looks at the board (``poll``, which calls ``fail`` on a difference) between short waits,
-        # and an op without a future is waited for once the board agrees (``settle``).
-        self._poll = poll
-        self._settle = settle if settle is not None else self.checked.wait
 
     def fail(self) -> None:
         """The check failed (or timed out): the wait stops at its next look."""
@@ -61,15 +55,15 @@ class Guard:
         """Wait for ``work``; raise ``Aborted`` if the check fails first.
 
         The wait polls ``is_completed``: it yields the core for the first YIELD_S (gloo's threads
-        finish a small op in that time), then sleeps in short steps, looking at the check between
-        them. On 2 cores this came out as fast as torch's blocking wait (a future's callback costs
-        two more thread hand-offs: 100-250 us a call; docs/benchmarks.md, session 12)."""
+        finish a small op in that time), then sleeps in short steps, looking at the check's verdict
+        between them. On 2 cores this came out as fast as torch's blocking wait (a future's
+        callback costs two more thread hand-offs: 100-250 us a call; docs/benchmarks.md)."""
         if self.failed:
             raise Aborted()
         try:
             work.get_future()
         except RuntimeError:  # some gloo works (reduce_scatter) have no future and complete only
-            self._settle()  # inside wait(): let the check finish first, as if run before
+            self.checked.wait()  # inside wait(): let the check finish first, as if run before
             if self.failed:
                 raise Aborted() from None
             work.wait()
@@ -80,8 +74,6 @@ class Guard:
             if spent < YIELD_S:
                 os.sched_yield()
                 continue
-            if self._poll is not None:
-                self._poll()
             if self.failed:
                 raise Aborted()
             time.sleep(min(MAX_SLEEP_S, max(MIN_SLEEP_S, spent / 16)))
