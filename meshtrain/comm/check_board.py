@@ -106,22 +106,11 @@ class CheckBoard:
             mem.futex_wake(self._addr[self.me] + 8 * index)
 
     # -- reading -----------------------------------------------------------------------------------
-    def absent(self, seq: int) -> list[int]:
-        """Global ranks that have not posted call ``seq`` yet."""
-        return [self.ranks[k] for k in self.others if self.words[k][LATEST] < seq]
-
-    def differs(self, seq: int, fp: int) -> bool | None:
-        """True if a peer posted another fingerprint for ``seq``, False if all posted ``fp``, None
-        while some have not posted."""
+    def differs(self, seq: int, fp: int) -> bool:
+        """After ``wait_posted(seq)``: True if a peer's slot holds another call or fingerprint."""
         at = SLOT_AT + 2 * (seq % SLOTS)
         mem.fence()
-        for k in self.others:
-            w = self.words[k]
-            if w[at] != seq:
-                return None
-            if w[at + 1] != fp:
-                return True
-        return False
+        return any(self.words[k][at] != seq or self.words[k][at + 1] != fp for k in self.others)
 
     def wait_posted(self, seq: int, deadline: float, what: str) -> None:
         """Wait until every peer posted ``seq``; PeerTimeout naming those that never did."""

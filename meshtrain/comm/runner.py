@@ -25,10 +25,9 @@ import time
 from typing import Any, Callable
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
-from .algorithms import hierarchical, native, shm_direct
 from . import check_board
+from .algorithms import hierarchical, native, shm_direct
 from .algorithms.base import Ctx
-from .check_board import CheckBoard
 from .communicator import Group
 from .transport.base import FingerprintMismatch, PeerTimeout
 from .work import Work
@@ -170,7 +169,7 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
     return None
 
 
-def board_of(g: Group) -> CheckBoard | None:
+def board_of(g: Group) -> check_board.CheckBoard | None:
     """The group's check board, built on its first checked call; None where it cannot have one
     (another transport, ranks on several hosts)."""
     if not g.board_built:

@@ -272,12 +272,13 @@ def choose(group, op: str, nbytes: int, native_ok: bool = True) -> str:
         # NCCL's own collectives run on the GPU (kernels over NVLink/InfiniBand, no host round
         # trips); meshtrain's Python algorithms over NCCL send/recv only add launches.
         return "native"
-    rules = NATIVE_FROM_GLOO
-    if check_board.checks_first(group):
-        rules = NATIVE_FROM_GLOO_PAIR if group.size == 2 else NATIVE_FROM_GLOO_BOARD
-    lo, hi = rules.get(op, (math.inf, math.inf))
-    if native_ok and lo <= nbytes < hi and "native" in algorithms_for(op, t.kind):
-        return "native"  # gloo's own where it was measured faster (NATIVE_FROM_GLOO)
+    if native_ok and "native" in algorithms_for(op, t.kind):
+        rules = NATIVE_FROM_GLOO
+        if check_board.checks_first(group):
+            rules = NATIVE_FROM_GLOO_PAIR if group.size == 2 else NATIVE_FROM_GLOO_BOARD
+        lo, hi = rules.get(op, (math.inf, math.inf))
+        if lo <= nbytes < hi:
+            return "native"  # gloo's own where it was measured faster (NATIVE_FROM_GLOO)
     if op in shm_direct.ALGORITHMS and on_shared_memory(t, group.ranks) and group.size > 1:
         # One host's shared memory: the shm collectives beat every point-to-point algorithm on
         # this transport at every size measured (docs/benchmarks.md, "auto on the shm
