@@ -88,7 +88,7 @@ def compare(model: str, layout_text: str, cluster: Cluster, steps: int, global_b
             "measured_step_s": got["step_s"], "step_ratio": pred.step_time / got["step_s"],
             "best_step_s": got["best_step_s"], "best_step_ratio": pred.step_time / got["best_step_s"],
             "predicted_mem_bytes": pred.memory.total, "measured_mem_bytes": got["peak_mem_bytes"],
-            "mem_ratio": pred.memory.total / got["peak_mem_bytes"]}
+            "mem_ratio": pred.memory.total / got["peak_mem_bytes"], "predicted_parts": pred.parts}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
