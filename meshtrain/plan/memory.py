@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from ..parallel.pipeline.schedule import build_schedule, peak_in_flight
+from ..parallel.pipeline.schedule import Action, build_schedule, peak_in_flight
 from .architectures import Arch
 from .compute import ACT_BYTES, stage_layers
 from .layout import Layout
@@ -73,13 +73,20 @@ def block_input_bytes_per_token(arch: Arch, layout: Layout) -> float:
     return arch.dim / (layout.tp if layout.sp else 1) * ACT_BYTES[layout.precision]
 
 
+@lru_cache(maxsize=8)
+def built_schedule(schedule: str, pp: int, m: int, v: int) -> list[list[Action]]:
+    """``build_schedule``'s lists, kept for the step-time model's simulation of the same layout (read
+    only: one predict asks both; the search's schedules reach tens of thousands of actions)."""
+    return build_schedule(schedule, pp, m, v)
+
+
 @lru_cache(maxsize=4096)
 def microbatches_in_flight(schedule: str, pp: int, m: int, v: int) -> float:
     """Micro-batches of a whole stage's activations rank 0 holds at its peak: ``peak_in_flight`` of the
     schedule (chunks of 1/v of the stage each under interleaving); 1 without a pipeline."""
     if pp == 1:
         return 1.0
-    return peak_in_flight(build_schedule(schedule, pp, m, v)[0]) / v
+    return peak_in_flight(built_schedule(schedule, pp, m, v)[0]) / v
 
 
 def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> float:

@@ -17,13 +17,14 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..parallel.pipeline.schedule import bubble_fraction, build_schedule, simulate
+from ..parallel.pipeline.schedule import bubble_fraction, simulate
 from .architectures import Arch
 from .clusters import Cluster
 from .collectives import collective, group_of, p2p
 from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
-from .memory import BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, memory_per_rank, peer_gradient_bytes, stage_params
+from .memory import (BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, built_schedule, memory_per_rank, peer_gradient_bytes,
+                     stage_params)
 from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .profile_parallel import collective_latency
 
@@ -62,7 +63,7 @@ def simulated_bubble(schedule: str, pp: int, m: int, v: int) -> float:
     """Idle fraction of the schedule simulator's timeline (``simulate`` at b = 2f, then
     ``bubble_fraction``). For 1F1B and AFAB it does not depend on b/f; interleaved moves by under a
     percent point over the b/f of 2-3.3 that recomputation spans, so one simulation serves every layout."""
-    return bubble_fraction(simulate(build_schedule(schedule, pp, m, v), 1.0, 2.0))
+    return bubble_fraction(simulate(built_schedule(schedule, pp, m, v), 1.0, 2.0))
 
 
 def pipeline_time(layout: Layout, f: float, b: float) -> float:

@@ -153,30 +153,56 @@ def _execute(schedule: list[list[Action]], last_stage: int, f_time: float, b_tim
     """Run every rank's list in order as early as dependencies allow; raise ScheduleError on deadlock.
 
     Start times depend only on the dependency graph, not on the order ranks are visited, so a simple
-    sweep over the ranks until none progresses gives the as-soon-as-possible timeline.
+    sweep over the ranks until none progresses gives the as-soon-as-possible timeline. Finish times
+    live in a flat list indexed by (stage, micro-batch, kind), not a dict of Actions: the planner's
+    search simulates schedules of tens of thousands of actions, and hashing them dominated its time.
     """
-    finished: dict[Action, float] = {}
+    flat = [a for acts in schedule for a in acts]
+    bad = [a for a in flat if a.microbatch < 0 or not 0 <= a.stage <= last_stage or a.kind not in ("F", "B")]
+    if bad:
+        raise ScheduleError(f"cannot simulate {bad[0]}: an action needs kind 'F' or 'B', a micro-batch >= 0 and a "
+                            f"stage in 0..{last_stage}")
+    m = 1 + max((a.microbatch for a in flat), default=0)
+    done = [-1.0] * (2 * m * (last_stage + 1))  # [(stage * m + mb) * 2 + (kind == "B")]: end time, -1 not yet
+    coded = [[((a.stage * m + a.microbatch) * 2, a.kind == "B", a.stage) for a in acts] for acts in schedule]
     timeline: Timeline = [[] for _ in schedule]
     free = [0.0] * len(schedule)
     pos = [0] * len(schedule)
-    remaining = sum(len(acts) for acts in schedule)
+    remaining = len(flat)
+    up = 2 * m  # index distance from a stage to the next one
     while remaining:
         progressed = False
-        for r, acts in enumerate(schedule):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = _deps(a, last_stage)
-                if any(d not in finished for d in deps):
-                    break
-                start = max([free[r], *(finished[d] for d in deps)])
-                end = start + (f_time if a.kind == "F" else b_time)
-                finished[a] = end
-                free[r] = end
-                timeline[r].append((a, start, end))
-                pos[r] += 1
-                remaining -= 1
+        for r, acts in enumerate(coded):
+            p, t, n = pos[r], free[r], len(acts)
+            while p < n:
+                i, backward, stage = acts[p]
+                if backward:
+                    ready = done[i]  # its own forward
+                    if ready < 0:
+                        break
+                    if stage < last_stage:
+                        later = done[i + up + 1]  # the next stage's backward
+                        if later < 0:
+                            break
+                        ready = max(ready, later)
+                    start = max(t, ready)
+                    t = done[i + 1] = start + b_time
+                else:
+                    start = t
+                    if stage > 0:
+                        ready = done[i - up]  # the previous stage's forward
+                        if ready < 0:
+                            break
+                        start = max(t, ready)
+                    t = done[i] = start + f_time
+                timeline[r].append((schedule[r][p], start, t))
+                p += 1
+            if p != pos[r]:
+                remaining -= p - pos[r]
+                pos[r], free[r] = p, t
                 progressed = True
         if not progressed:
+            finished = {a: end for acts in timeline for a, _, end in acts}
             raise _deadlock(schedule, pos, finished, last_stage)
     return timeline
 
