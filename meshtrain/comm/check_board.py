@@ -24,7 +24,7 @@ import uuid
 from typing import Any, Sequence
 
 from .transport import shm_memory as mem
-from .transport.base import PeerTimeout
+from .transport.base import FingerprintMismatch, PeerTimeout
 
 SLOTS = 64
 LATEST, WAITING, VERIFIED = 0, 8, 16  # int64 counters, a cache line apart
@@ -112,11 +112,25 @@ class CheckBoard:
         mem.fence()
         return any(self.words[k][at] != seq or self.words[k][at + 1] != fp for k in self.others)
 
-    def wait_posted(self, seq: int, deadline: float, what: str) -> None:
-        """Wait until every peer posted ``seq``; PeerTimeout naming those that never did."""
-        self._wait(lambda k: self.words[k][LATEST] >= seq, deadline, what, LATEST, seq)
+    def verdict(self, seq: int, fp: int) -> tuple[bool, bool]:
+        """(a peer that posted ``seq`` differs, every peer posted it), without waiting."""
+        at = SLOT_AT + 2 * (seq % SLOTS)
+        mem.fence()  # after my post (Dekker): of two ranks posting at once, one sees the other's
+        everyone = True
+        for k in self.others:
+            w = self.words[k]
+            if w[LATEST] < seq:
+                everyone = False
+            elif w[at] != seq or w[at + 1] != fp:
+                return True, everyone
+        return False, everyone
 
-    def _wait(self, ok, deadline: float, what: str, index: int, target: int) -> None:
+    def wait_posted(self, seq: int, deadline: float, what: str, until: Any = None) -> None:
+        """Wait until every peer posted ``seq`` (or ``until()`` is true); PeerTimeout naming the
+        peers that never did."""
+        self._wait(lambda k: self.words[k][LATEST] >= seq, deadline, what, LATEST, seq, until)
+
+    def _wait(self, ok, deadline: float, what: str, index: int, target: int, until: Any = None) -> None:
         if all(ok(k) for k in self.others):
             return
         mine = self.words[self.me]
@@ -135,7 +149,9 @@ class CheckBoard:
             return 0, 0
 
         try:
-            mem.block(lambda: all(ok(k) for k in self.others), deadline, expire, lambda: None, sleep_on)
+            done = (lambda: all(ok(k) for k in self.others)) if until is None else (
+                lambda: until() or all(ok(k) for k in self.others))
+            mem.block(done, deadline, expire, lambda: None, sleep_on)
         finally:
             mine[WAITING] = 0
 
@@ -143,3 +159,39 @@ class CheckBoard:
         """Drop the mappings."""
         self.words, self._segs = [], []
 
+
+
+class Ahead:
+    """Waits for a torch op that a rank issued before every peer had posted the call (``runner``).
+
+    A rank runs torch's op at once if every peer that has posted the call matches it; the fence in
+    ``verdict`` means that of any two members at least one saw the other's post and compared it.
+    So two members whose calls differ never both enter gloo (which, handed mismatched sizes, can
+    abort a process), and an op that completes had every member in it, all matching. The early
+    rank waits for its peers' posts (futex) while the op is in flight, then blocks in torch's wait;
+    a peer that posts another call makes it stop waiting: FingerprintMismatch, and the runner names
+    the ranks. Torch's group then holds an op some ranks never joined, as after any mismatched
+    collective in torch.distributed: it is not usable afterwards."""
+
+    def __init__(self, board: CheckBoard, seq: int, fp: int, deadline: float, what: str) -> None:
+        self.board, self.seq, self.fp, self.deadline, self.what = board, seq, fp, deadline, what
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``: raise FingerprintMismatch if a peer posts another call first."""
+        done = work.is_completed
+        try:
+            work.get_future()
+        except RuntimeError:  # gloo works without a future complete only inside wait(): check first
+            done = None
+        self.board.wait_posted(self.seq, self.deadline, self.what, until=done)
+        bad, everyone = self.board.verdict(self.seq, self.fp)
+        if bad:
+            raise FingerprintMismatch()
+        try:
+            work.wait()  # every member posted the same call, or the op ended on its own
+        except RuntimeError:
+            if everyone:
+                raise
+            # torch's op gave up first (its timeout is the group's too): name who never posted
+            self.board.wait_posted(self.seq, self.deadline, self.what)
+            raise

@@ -113,8 +113,9 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
         # A torch-transport group on one host checks on its shared board (comm/check_board.py).
         board = board_of(g) if checked and not fused else None
-        beside = (checked and not fused and board is None and not force_exchange and pairwise is None
-                  and meta.get("algorithm") == "native")
+        plain_native = not force_exchange and pairwise is None and meta.get("algorithm") == "native"
+        beside = checked and not fused and board is None and plain_native
+        ahead = board is not None and plain_native
         try:
             if checked:
                 payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
@@ -130,14 +131,17 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             try:
                 if fused and local and meta.get("algorithm") != "shm":
                     shm_direct.check_only(ctx)
-                if board is not None:  # before any data moves: gloo given mismatched sizes can abort
-                    board.wait_posted(seq, deadline, f"{name} #{seq}")  # a process from its own thread
-                    if board.differs(seq, fp):
-                        raise FingerprintMismatch()
-                    if pairwise is not None or force_exchange:
-                        _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
-                                                                       g.timeout))
-                result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
+                if ahead:  # torch's op as soon as every peer that posted matches (check_board.Ahead)
+                    result = _native_ahead(board, seq, fp, f"{name} #{seq}", deadline, body, ctx)
+                else:
+                    if board is not None:  # meshtrain's algorithms over torch p2p: checked first
+                        board.wait_posted(seq, deadline, f"{name} #{seq}")
+                        if board.differs(seq, fp):
+                            raise FingerprintMismatch()
+                        if pairwise is not None or force_exchange:
+                            _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
+                                                                           g.timeout))
+                    result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
             except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
                 payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
                 _compare(name, seq, g, payloads)
@@ -167,6 +171,24 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
     g.drain()
     execute()
     return None
+
+
+def _native_ahead(board: check_board.CheckBoard, seq: int, fp: int, what: str, deadline: float,
+                  body: Callable[[Ctx], Any], ctx: Ctx) -> Any:
+    """Run a native call checked on the board without waiting for late peers first: FingerprintMismatch
+    if a peer that posted differs, before or while torch's op runs (``check_board.Ahead``)."""
+    bad, everyone = board.verdict(seq, fp)
+    if bad:
+        raise FingerprintMismatch()
+    if everyone:
+        result = body(ctx)
+    else:
+        with native.guarded(check_board.Ahead(board, seq, fp, deadline, what)):
+            result = body(ctx)
+    board.wait_posted(seq, deadline, what)  # a root whose op completed on its own sends alone
+    if board.differs(seq, fp):
+        raise FingerprintMismatch()
+    return result
 
 
 def board_of(g: Group) -> check_board.CheckBoard | None:

@@ -101,3 +101,67 @@ def test_unmappable_board_falls_back_to_the_store(tmp_path):
         assert none, "no member keeps a board that a peer could not map"
         assert x == [2.0, 2.0, 2.0]
         assert "ranks [1]: all_reduce shapes=[[6]]" in named
+
+
+def _mismatch_apart(rank: int, odd: int, late: str, op: str) -> tuple[str, int]:
+    import time
+
+    import meshtrain.comm as mc
+    from meshtrain.comm import check_board
+
+    entered = []  # torch ops this rank waited for ahead of a peer's post
+    real = check_board.Ahead.wait
+    check_board.Ahead.wait = lambda self, work: (entered.append(1), real(self, work))[1]
+    p = mc.get_world_size()
+    mc.all_reduce(torch.ones(2))  # the board is built
+    entered.clear()
+    n = 6 if rank == odd else 4
+    # the ranks that arrive first post and enter torch's op at once; the late ones find the
+    # difference on the board and never enter it, and the early ones stop waiting for it
+    if (late == "odd") == (rank == odd):
+        time.sleep(0.5)
+    try:
+        if op == "all_reduce":
+            mc.all_reduce(torch.ones(n), algorithm="native")
+        else:
+            mc.all_gather_into_tensor(torch.empty(n * p), torch.ones(n), algorithm="native")
+    except CollectiveMismatch as exc:
+        return str(exc), len(entered)
+    return "no error", len(entered)
+
+
+@pytest.mark.parametrize("p, late, op", [(2, "odd", "all_reduce"), (2, "others", "all_gather"),
+                                         (3, "odd", "all_gather"), (3, "others", "all_reduce")])
+def test_a_mismatch_is_named_on_every_rank_whichever_ranks_entered_torchs_op_first(p, late, op):
+    import re
+
+    got = spawn(p, _mismatch_apart, 1, late, op, timeout=120, comm_timeout=20)
+    for rank, (msg, entered) in enumerate(got):  # none was aborted inside gloo: spawn would raise
+        assert re.search(r"ranks disagree.*ranks \[1\]: \w+ shapes=\[\[6\]\]", msg), msg
+        early = (rank == 1) != (late == "odd")
+        assert entered == (1 if early else 0), (rank, entered)  # the early ranks were inside torch's op
+
+
+def _one_never_calls(rank: int) -> str:
+    import time
+
+    import meshtrain.comm as mc
+    from meshtrain.errors import CollectiveTimeout
+
+    mc.all_reduce(torch.ones(2))
+    if rank == 1:
+        time.sleep(4)  # alive, but never calls the next collective
+        return ""
+    t0 = time.monotonic()
+    try:
+        mc.all_reduce(torch.ones(2))  # torch's own op, entered before rank 1 posted
+    except CollectiveTimeout as exc:
+        return f"{time.monotonic() - t0:.1f} {exc}"
+    return "no error"
+
+
+def test_a_rank_that_never_calls_is_named_when_the_others_entered_torchs_op():
+    got = spawn(2, _one_never_calls, timeout=60, comm_timeout=2)[0]
+    took, msg = got.split(" ", 1)
+    assert "rank(s) [1] never called it" in msg, msg
+    assert float(took) < 4, got
