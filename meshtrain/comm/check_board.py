@@ -3,13 +3,12 @@
 On the torch transport the check used to be an all-gather through the TCPStore: two or three
 round trips to the store per collective, as much as a small gloo collective itself. When every
 member of a group runs on this host, each member instead owns a small /dev/shm segment (the
-board) and, before a collective's data moves, writes the call's sequence number and metadata
-fingerprint into slot ``seq % SLOTS`` of it, waits (spin, yield, futex: ``shm_memory.block``)
-until every peer's slot holds the same call, and compares: a few loads where the store took round
-trips. The check stays before the data, also for torch's own collectives: a rank could post,
-run gloo's op and compare afterwards (an all-reduce cannot finish before every member posted),
-but gloo handed mismatched sizes can abort a process from its own thread ("Received data size
-doesn't match"); checked first, the group stays usable and every rank names the mismatch.
+board) and writes each call's sequence number and metadata fingerprint into slot ``seq % SLOTS``
+of it: a few loads and stores where the store took round trips. meshtrain's algorithms wait
+(spin, yield, futex: ``shm_memory.block``) until every peer's slot holds the same call before
+any data moves. Torch's own op starts as soon as every peer that has posted matches (``Ahead``):
+gloo handed mismatched sizes can abort a process from its own thread ("Received data size
+doesn't match"), and this way two members whose calls differ never both enter it.
 
 A difference sends every member to the store exchange of the full metadata, which names the
 ranks and what each passed. Call ``s`` uses slot ``s % SLOTS``; a rank reuses a slot only once
@@ -64,7 +63,10 @@ def checks_first(group: Any) -> bool:
     built, or will be on its first call); the same answer on every member."""
     if getattr(group, "board_built", False):
         return group.board is not None
-    return usable(group.comm.transport, group.hosts)
+    known = getattr(group, "board_usable", None)  # asked on every auto call: /dev/shm is looked at once
+    if known is None:
+        known = group.board_usable = usable(group.comm.transport, group.hosts)
+    return known
 
 
 class CheckBoard:

@@ -34,6 +34,7 @@ class Group:
         self.cost_model: Any = None  # fitted lazily by meshtrain.comm.select
         self.board: Any = None  # the check board (comm/check_board.py), built on the first checked call
         self.board_built = False
+        self.board_usable: bool | None = None  # check_board.checks_first, asked once
         self._seq = 0
         self._cal_seq = 0
         self._lock = threading.Lock()

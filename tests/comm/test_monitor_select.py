@@ -141,7 +141,8 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
         # but not for a dtype gloo cannot move (int16): meshtrain's own algorithms then
         assert select.choose(pair, op, 4096, native_ok=False) != "native"
     # across hosts (no board: the check would run beside gloo's op) only the all_reduce rule holds
-    pair.hosts = ["a", "b"]
+    pair = group("gloo")
+    pair.size, pair.ranks, pair.hosts = 2, [0, 1], ["a", "b"]
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         assert select.choose(pair, op, 4096) != "native"
     assert select.choose(pair, "all_reduce", 1 << 20) == "native"
