@@ -19,7 +19,9 @@ before it was read. Across hosts the store exchange stays: the board needs one /
 from __future__ import annotations
 
 import os
+import time
 import uuid
+from datetime import timedelta
 from typing import Any, Sequence
 
 from .transport import shm_memory as mem
@@ -170,30 +172,43 @@ class Ahead:
     ``verdict`` means that of any two members at least one saw the other's post and compared it.
     So two members whose calls differ never both enter gloo (which, handed mismatched sizes, can
     abort a process), and an op that completes had every member in it, all matching. The early
-    rank waits for its peers' posts (futex) while the op is in flight, then blocks in torch's wait;
-    a peer that posts another call makes it stop waiting: FingerprintMismatch, and the runner names
-    the ranks. Torch's group then holds an op some ranks never joined, as after any mismatched
-    collective in torch.distributed: it is not usable afterwards."""
+    rank therefore sleeps in torch's own wait, and looks at the board only when that wait has
+    lasted WATCH_S: a peer that posted another call ends it (FingerprintMismatch; the runner names
+    the ranks), a peer that never posts is named at the deadline. Torch's group then holds an op
+    some ranks never joined, as after any mismatched collective in torch.distributed: it is not
+    usable afterwards."""
+
+    WATCH_S = 0.02
+    """How long torch's wait runs before each look at the board (a mismatch is named this late)."""
 
     def __init__(self, board: CheckBoard, seq: int, fp: int, deadline: float, what: str) -> None:
         self.board, self.seq, self.fp, self.deadline, self.what = board, seq, fp, deadline, what
 
     def wait(self, work: Any) -> None:
         """Wait for ``work``: raise FingerprintMismatch if a peer posts another call first."""
-        done = work.is_completed
         try:
             work.get_future()
         except RuntimeError:  # gloo works without a future complete only inside wait(): check first
-            done = None
-        self.board.wait_posted(self.seq, self.deadline, self.what, until=done)
-        bad, everyone = self.board.verdict(self.seq, self.fp)
-        if bad:
-            raise FingerprintMismatch()
-        try:
-            work.wait()  # every member posted the same call, or the op ended on its own
-        except RuntimeError:
-            if everyone:
-                raise
-            # torch's op gave up first (its timeout is the group's too): name who never posted
             self.board.wait_posted(self.seq, self.deadline, self.what)
-            raise
+            if self.board.differs(self.seq, self.fp):
+                raise FingerprintMismatch() from None
+            work.wait()
+            return
+        watch = timedelta(seconds=self.WATCH_S)
+        while True:
+            try:
+                work.wait(timeout=watch)  # a timed wait leaves the op running (torch's Work.wait)
+                return
+            except RuntimeError:
+                if work.is_completed():  # the op's own error, not the watch's
+                    if not self.board.verdict(self.seq, self.fp)[1]:
+                        self.board.wait_posted(self.seq, self.deadline, self.what)  # name who never came
+                    raise
+            bad, everyone = self.board.verdict(self.seq, self.fp)
+            if bad:
+                raise FingerprintMismatch()
+            if everyone:  # every member posted the same call: the op completes or fails on its own
+                work.wait()
+                return
+            if time.monotonic() >= self.deadline:
+                self.board.wait_posted(self.seq, self.deadline, self.what)  # PeerTimeout naming them
