@@ -200,10 +200,9 @@ class Ahead:
                 work.wait(timeout=watch)  # a timed wait leaves the op running (torch's Work.wait)
                 return
             except RuntimeError:
-                if work.is_completed():  # the op's own error, not the watch's
-                    if not self.board.verdict(self.seq, self.fp)[1]:
-                        self.board.wait_posted(self.seq, self.deadline, self.what)  # name who never came
-                    raise
+                if work.is_completed():  # ended as the watch ran out: its own result or error
+                    self._finish(work)
+                    return
             bad, everyone = self.board.verdict(self.seq, self.fp)
             if bad:
                 raise FingerprintMismatch()
@@ -212,3 +211,12 @@ class Ahead:
                 return
             if time.monotonic() >= self.deadline:
                 self.board.wait_posted(self.seq, self.deadline, self.what)  # PeerTimeout naming them
+
+    def _finish(self, work: Any) -> None:
+        """The completed op's result, or its error; a peer that never posted is named first."""
+        try:
+            work.wait()
+        except RuntimeError:
+            if not self.board.verdict(self.seq, self.fp)[1]:
+                self.board.wait_posted(self.seq, self.deadline, self.what)
+            raise
