@@ -7,6 +7,7 @@ single-process gradient of the global batch when every rank holds an equal share
 from __future__ import annotations
 
 import contextlib
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -100,10 +101,19 @@ class DataParallel(nn.Module):
                                      first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)),
                                      alloc=self._bucket_buffer)
         self._where: dict[int, tuple[GradBucket, int]] = {}
+        # The hook holds the wrapper weakly: a tensor's hooks are not seen by Python's collector,
+        # so a bound method there kept every wrapper (its buckets and worker thread) alive forever.
+        me = weakref.ref(self)
+
+        def on_grad(p: torch.Tensor) -> None:
+            dp = me()
+            if dp is not None:
+                dp._on_grad(p)
+
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(on_grad)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-dp")
         self._futures: list[Future] = []
         self._next = 0

@@ -135,3 +135,22 @@ def test_bad_bucket_cap_is_named():
 
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
         comm.run_local(1, fn, timeout=10)
+
+
+def test_a_dropped_wrapper_is_freed_with_its_worker_thread():
+    """The gradient hooks hold the wrapper weakly: one that goes out of scope takes its buckets and
+    its reduction thread with it (they once stayed for the life of the process)."""
+    import gc
+    import weakref
+
+    def run(rank: int):
+        dp = DataParallel(torch.nn.Linear(4, 4))
+        dp(torch.ones(2, 4)).sum().backward()
+        return weakref.ref(dp), dp._worker._threads.copy()
+
+    (ref, threads), = comm.run_local(1, run)
+    gc.collect()
+    assert ref() is None, "the DataParallel wrapper is still referenced"
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads) and threads, threads
