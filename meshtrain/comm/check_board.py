@@ -116,6 +116,12 @@ class CheckBoard:
         mem.fence()
         return any(self.words[k][at] != seq or self.words[k][at + 1] != fp for k in self.others)
 
+    def settle(self, seq: int, fp: int, deadline: float, what: str) -> None:
+        """Wait until every peer posted ``seq``; FingerprintMismatch if one posted another call."""
+        self.wait_posted(seq, deadline, what)
+        if self.differs(seq, fp):
+            raise FingerprintMismatch()
+
     def verdict(self, seq: int, fp: int) -> tuple[bool, bool]:
         """(a peer that posted ``seq`` differs, every peer posted it), without waiting."""
         at = SLOT_AT + 2 * (seq % SLOTS)
@@ -129,12 +135,11 @@ class CheckBoard:
                 return True, everyone
         return False, everyone
 
-    def wait_posted(self, seq: int, deadline: float, what: str, until: Any = None) -> None:
-        """Wait until every peer posted ``seq`` (or ``until()`` is true); PeerTimeout naming the
-        peers that never did."""
-        self._wait(lambda k: self.words[k][LATEST] >= seq, deadline, what, LATEST, seq, until)
+    def wait_posted(self, seq: int, deadline: float, what: str) -> None:
+        """Wait until every peer posted ``seq``; PeerTimeout naming those that never did."""
+        self._wait(lambda k: self.words[k][LATEST] >= seq, deadline, what, LATEST, seq)
 
-    def _wait(self, ok, deadline: float, what: str, index: int, target: int, until: Any = None) -> None:
+    def _wait(self, ok, deadline: float, what: str, index: int, target: int) -> None:
         if all(ok(k) for k in self.others):
             return
         mine = self.words[self.me]
@@ -153,16 +158,13 @@ class CheckBoard:
             return 0, 0
 
         try:
-            done = (lambda: all(ok(k) for k in self.others)) if until is None else (
-                lambda: until() or all(ok(k) for k in self.others))
-            mem.block(done, deadline, expire, lambda: None, sleep_on)
+            mem.block(lambda: all(ok(k) for k in self.others), deadline, expire, lambda: None, sleep_on)
         finally:
             mine[WAITING] = 0
 
     def close(self) -> None:
         """Drop the mappings."""
         self.words, self._segs = [], []
-
 
 
 class Ahead:
@@ -189,9 +191,7 @@ class Ahead:
         try:
             work.get_future()
         except RuntimeError:  # gloo works without a future complete only inside wait(): check first
-            self.board.wait_posted(self.seq, self.deadline, self.what)
-            if self.board.differs(self.seq, self.fp):
-                raise FingerprintMismatch() from None
+            self.board.settle(self.seq, self.fp, self.deadline, self.what)
             work.wait()
             return
         watch = timedelta(seconds=self.WATCH_S)

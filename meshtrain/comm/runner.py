@@ -14,7 +14,8 @@ transport carry it the same way (``hierarchical.Check``: inside each host, then 
 the host leaders before any data crosses). A ``native`` call (torch.distributed's own op) runs the
 store exchange beside the op instead of before it (``_native_checked_beside``). A torch-transport
 group whose ranks share one host checks on a shared board instead of the store
-(``check_board.py``): posted, then awaited and compared before any data moves.
+(``check_board.py``): posted, then awaited and compared before meshtrain's algorithms move data;
+torch's own op starts once every peer that has posted matches (``check_board.Ahead``).
 """
 
 from __future__ import annotations
@@ -135,9 +136,7 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
                     result = _native_ahead(board, seq, fp, f"{name} #{seq}", deadline, body, ctx)
                 else:
                     if board is not None:  # meshtrain's algorithms over torch p2p: checked first
-                        board.wait_posted(seq, deadline, f"{name} #{seq}")
-                        if board.differs(seq, fp):
-                            raise FingerprintMismatch()
+                        board.settle(seq, fp, deadline, f"{name} #{seq}")
                         if pairwise is not None or force_exchange:
                             _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
                                                                            g.timeout))
@@ -185,9 +184,7 @@ def _native_ahead(board: check_board.CheckBoard, seq: int, fp: int, what: str, d
     else:
         with native.guarded(check_board.Ahead(board, seq, fp, deadline, what)):
             result = body(ctx)
-    board.wait_posted(seq, deadline, what)  # a root whose op completed on its own sends alone
-    if board.differs(seq, fp):
-        raise FingerprintMismatch()
+    board.settle(seq, fp, deadline, what)  # a root whose op completed on its own sends alone
     return result
 
 
