@@ -24,6 +24,7 @@ import uuid
 from datetime import timedelta
 from typing import Any, Sequence
 
+from .algorithms import native
 from .transport import shm_memory as mem
 from .transport.base import FingerprintMismatch, PeerTimeout
 
@@ -192,6 +193,9 @@ class Ahead:
             work.get_future()
         except RuntimeError:  # gloo works without a future complete only inside wait(): check first
             self.board.settle(self.seq, self.fp, self.deadline, self.what)
+            work.wait()
+            return
+        if native.polled(work):  # a small op ends within the poll (see native.finish)
             work.wait()
             return
         watch = timedelta(seconds=self.WATCH_S)

@@ -32,6 +32,8 @@ _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # meshtrain's own algorithms move these; torch's gloo and NCCL collectives refuse them.
 NO_NATIVE = (torch.int16,)
+# gloo's reduce-scatter works have no future and complete only inside wait(): nothing to look at.
+NO_FUTURE = frozenset({_REDUCE_SCATTER_SINGLE, dist.reduce_scatter})
 
 
 class Aborted(Exception):
@@ -97,10 +99,40 @@ def guarded(guard: Guard) -> Iterator[None]:
 
 def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
     guard = getattr(_local, "guard", None)
-    if guard is None:
-        fn(*args, **kw)
-    else:
+    if guard is not None:
         guard.wait(fn(*args, async_op=True, **kw))
+    elif fn not in NO_FUTURE and _on_cpu(args[0]):
+        finish(fn(*args, async_op=True, **kw))
+    else:  # NCCL's ops are ordered on the stream: the caller does not wait for them
+        fn(*args, **kw)
+
+
+def _on_cpu(t: torch.Tensor | list[torch.Tensor]) -> bool:
+    return (t[0] if isinstance(t, list) else t).device.type == "cpu"
+
+
+def finish(work: dist.Work) -> None:
+    """Wait for a CPU op the way a spin-then-park lock does: look at ``work`` for up to POLL_S,
+    handing the core to any runnable thread between looks (sched_yield), then block in torch's
+    wait. On this 2-core VM a thread that blocks at once lets its core idle, and waking it when
+    the peer's data arrives cost 50-100 us a call: gloo's own blocking call was 1.1-1.3x slower
+    than this at 4 KB-4 MB on 2 and 4 ranks (docs/benchmarks.md). Only works with a future
+    complete outside ``wait`` (``NO_FUTURE`` are not looked at)."""
+    polled(work)
+    work.wait()
+
+
+def polled(work: dist.Work) -> bool:
+    """True once ``work`` completed, looked at for up to POLL_S, yielding the core between looks."""
+    end = time.monotonic() + POLL_S
+    while not work.is_completed():
+        if time.monotonic() >= end:
+            return False
+        os.sched_yield()
+    return True
+
+
+POLL_S = float(os.environ.get("MESHTRAIN_NATIVE_POLL_US", "200")) * 1e-6
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""How meshtrain waits for torch.distributed's own ops (``algorithms/native.py``): CPU ops are
+issued asynchronously and looked at, yielding the core, before torch's blocking wait; NCCL's
+(stream-ordered) ops and gloo's reduce-scatter (no future) are called as torch would be."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from meshtrain.comm.algorithms import native
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeWork:
+    """A work that completes after ``looks`` calls of is_completed (never if None)."""
+
+    def __init__(self, looks: int | None) -> None:
+        self.looks, self.seen, self.waited = looks, 0, 0
+
+    def is_completed(self) -> bool:
+        self.seen += 1
+        return self.looks is not None and self.seen > self.looks
+
+    def wait(self) -> bool:
+        self.waited += 1
+        return True
+
+
+class FakeOp:
+    """Stands for a torch.distributed op: records how it was called, returns a FakeWork if async."""
+
+    def __init__(self, looks: int | None = 3) -> None:
+        self.calls: list[dict] = []
+        self.work = FakeWork(looks)
+
+    def __call__(self, *args, **kw):
+        self.calls.append(kw)
+        return self.work if kw.get("async_op") else None
+
+
+def test_a_cpu_op_is_issued_async_looked_at_then_waited_for(monkeypatch):
+    monkeypatch.setattr(native, "POLL_S", 30.0)  # a loaded machine's yields must not end the looks early
+    op = FakeOp(looks=3)
+    native._run(op, torch.ones(4), group=None)
+    assert op.calls == [{"async_op": True, "group": None}]
+    assert op.work.seen == 4 and op.work.waited == 1  # three looks before it completed, one wait after
+
+
+def test_a_list_of_cpu_tensors_counts_as_cpu():
+    op = FakeOp(looks=0)
+    native._run(op, [torch.ones(2), torch.ones(2)], torch.ones(2))
+    assert op.calls[0].get("async_op") is True and op.work.waited == 1
+
+
+def test_an_op_off_the_cpu_is_called_as_torch_calls_it():
+    # NCCL's ops are ordered on the CUDA stream: waiting for one on the host would stall the caller.
+    op = FakeOp()
+    native._run(op, torch.empty(4, device="meta"))
+    assert op.calls == [{}] and op.work.seen == 0
+
+
+def test_an_op_without_a_future_is_called_as_torch_calls_it():
+    # gloo's reduce-scatter completes only inside wait(): looking at it would only burn POLL_S.
+    assert native.dist.reduce_scatter in native.NO_FUTURE
+    seen: list[dict] = []
+
+    def reduce_scatter(*args, **kw):
+        seen.append(kw)
+
+    native.NO_FUTURE = native.NO_FUTURE | {reduce_scatter}
+    try:
+        native._run(reduce_scatter, torch.ones(4))
+    finally:
+        native.NO_FUTURE = native.NO_FUTURE - {reduce_scatter}
+    assert seen == [{}]
+
+
+def test_a_long_op_is_looked_at_for_poll_s_then_left_to_torchs_wait():
+    work = FakeWork(looks=None)
+    t0 = time.monotonic()
+    assert native.polled(work) is False
+    assert time.monotonic() - t0 >= native.POLL_S and work.seen >= 1
+    native.finish(work)
+    assert work.waited == 1
