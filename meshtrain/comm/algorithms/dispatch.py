@@ -136,6 +136,19 @@ def _reduce_scatter(fn: Callable) -> Callable:
 _reduce_scatter_staged_shm = _reduce_scatter(shm_direct.reduce_scatter)
 
 
+# gloo's reduce-scatter (CPU) ran slower than its all-reduce of the whole input, staged in scratch
+# and sliced: 0.78-0.92x the time at 4 KB-16 MB on 2 ranks, 0.83-1.0x on 4 (docs/benchmarks.md,
+# session 14). Its work also has no future, so the caller cannot look at it before blocking
+# (native.finish). Larger groups keep gloo's: an all-reduce moves twice the bytes.
+RS_OVER_ALL_REDUCE_MAX = 4
+
+
+def _reduce_scatter_over_all_reduce(ctx: Ctx, g: Group, out: torch.Tensor, ins: list[torch.Tensor],
+                                    op: ReduceOp) -> torch.Tensor:
+    """torch's all-reduce of every block, staged in scratch; this rank's block is the result."""
+    return _reduce_scatter(lambda c, buf, o: native.all_reduce(g.torch_group, buf, o))(ctx, g, out, ins, op)
+
+
 def _reduce_scatter_shm(ctx: Ctx, g: Group, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     # Straight from the inputs, no staging buffer, unless a dtype conversion or a stride needs it.
     if _work_dtype(out, op) == out.dtype and shm_direct.reduce_scatter_lists(ctx, ins, out, op):
@@ -144,6 +157,8 @@ def _reduce_scatter_shm(ctx: Ctx, g: Group, out: torch.Tensor, ins: list[torch.T
 
 
 def _reduce_scatter_native(ctx: Ctx, g: Group, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    if out.device.type == "cpu" and g.size <= RS_OVER_ALL_REDUCE_MAX and "gloo" in getattr(ctx.transport, "backend", ""):
+        return _reduce_scatter_over_all_reduce(ctx, g, out, ins, op)
     wd = _work_dtype(out, op)
     tmp_out = out if wd == out.dtype else out.to(wd)
     native.reduce_scatter(g.torch_group, g.ranks, tmp_out, [t.reshape(tmp_out.shape).to(wd) for t in ins], op)
