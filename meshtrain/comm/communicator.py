@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from .algorithms.base import BufferPool
 from .monitor import Monitor
-from .transport.base import Transport, capabilities
+from .transport.base import Transport, capabilities, on_shared_memory
 from .work import Work
 
 MAX_GROUPS = 1024  # group ids are packed into p2p tags
@@ -35,6 +35,9 @@ class Group:
         self.board: Any = None  # the check board (comm/check_board.py), built on the first checked call
         self.board_built = False
         self.board_usable: bool | None = None  # check_board.checks_first, asked once
+        self._hosts: list[str] | None = None
+        self._shared: bool | None = None
+        self.choices: dict[tuple, str] = {}  # select.choose's answers, by call and inputs
         self._seq = 0
         self._cal_seq = 0
         self._lock = threading.Lock()
@@ -47,7 +50,16 @@ class Group:
     @property
     def hosts(self) -> list[str]:
         """Host id of each group rank."""
-        return [self.comm.hosts[r] for r in self.ranks]
+        if self._hosts is None:  # asked on every call; the world's hosts never change
+            self._hosts = [self.comm.hosts[r] for r in self.ranks]
+        return self._hosts
+
+    @property
+    def on_shared_memory(self) -> bool:
+        """True if the group's ranks share this host's memory on a transport with shared buffers."""
+        if self._shared is None:
+            self._shared = on_shared_memory(self.comm.transport, self.ranks)
+        return self._shared
 
     def next_seq(self) -> int:
         """Sequence number of the next collective on this group (same on every member)."""

@@ -109,7 +109,7 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         # A group in one host's shared memory checks a fingerprint in the step where its members
         # meet anyway: the shm collectives' first step, or one step of that protocol before others.
         # The hierarchical collectives across hosts of the shm transport check it in their steps.
-        local = shm_direct.usable(ctx)
+        local = g.on_shared_memory  # shm_direct.usable(ctx), asked once per group
         fused = checked and not force_exchange and pairwise is None and (
             local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
         # A torch-transport group on one host checks on its shared board (comm/check_board.py).

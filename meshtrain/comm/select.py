@@ -183,6 +183,7 @@ def calibrate(group, force: bool = False) -> CostModel:
     offer0 = json.loads(offers[0])
     if offer0 is not None:  # group rank 0's cache decides for everyone
         group.cost_model = CostModel(**dict(offer0, source="cache"))
+        group.choices.clear()  # the memo's keys hold the old model's id, which a new object may reuse
         return group.cost_model
     ctx = Ctx(t, group.ranks, group.rank, runner.collective_tag(group.gid),
               time.monotonic() + group.timeout, group.pool, group.hosts)
@@ -194,6 +195,7 @@ def calibrate(group, force: bool = False) -> CostModel:
     if group.rank == 0 and fit0:
         _save_cached(key, model)
     group.cost_model = model
+    group.choices.clear()
     return model
 
 
@@ -239,11 +241,14 @@ def preferred(group, op: str) -> str | None:
 # - larger groups: all_reduce from 1 MB (gloo's ring in C++ against meshtrain's Python algorithms:
 #   auto 0.54-0.68x gloo at 2-8 MB on four ranks), all_gather below 1 MB (auto 0.69-0.80x; gloo's
 #   own 0.95-1.19x there but 0.71-0.90x from 1 MB). reduce_scatter stays meshtrain's (1.1-1.6x).
+# - session 14, with native's waits looking before they block (native.finish): all_gather at 1 MB on
+#   four ranks, gloo's own through meshtrain 3.5-4.0 ms against recursive doubling's 4.4-5.5 ms
+#   (ring 4.5-4.6); from 2 MB ring as fast or faster. So native below 2 MB.
 # The last two rules need the check before the data (a board, one host): checked beside gloo's op
 # (across hosts), a mismatched call can end a process inside gloo before the check names it.
 NATIVE_FROM_GLOO = {"all_reduce": (1 << 20, math.inf)}
 NATIVE_FROM_GLOO_PAIR = {"all_reduce": (0, math.inf), "all_gather": (0, math.inf), "reduce_scatter": (0, math.inf)}
-NATIVE_FROM_GLOO_BOARD = {"all_reduce": (1 << 20, math.inf), "all_gather": (0, 1 << 20)}
+NATIVE_FROM_GLOO_BOARD = {"all_reduce": (1 << 20, math.inf), "all_gather": (0, 2 << 20)}
 
 # Sizes (bytes) from which auto takes hierarchical on a group spanning hosts with shm inside each
 # (below 1 MiB the model's recursive doubling or tree did as well for all_reduce).
@@ -261,7 +266,28 @@ def _hosts_on_shm(group) -> bool:
 def choose(group, op: str, nbytes: int, native_ok: bool = True) -> str:
     """The cheapest algorithm for ``op`` on ``nbytes`` in ``group`` (same answer on every member),
     or the communicator's preferred algorithm where it is valid for ``op`` on ``group``.
-    ``native_ok=False`` (a dtype torch's collectives cannot move) keeps to meshtrain's algorithms."""
+    ``native_ok=False`` (a dtype torch's collectives cannot move) keeps to meshtrain's algorithms.
+    Answers are kept per group (``Group.choices``), keyed by everything here that can change: the
+    preferred algorithm, the cost model and whether the board is built."""
+    memo = getattr(group, "choices", None)
+    if memo is None:
+        return _choose(group, op, nbytes, native_ok)
+    key = (op, nbytes, native_ok, group.comm.preferred_algorithm, id(group.cost_model), group.board_built,
+           group.board is None)
+    algo = memo.get(key)
+    if algo is None:
+        algo = _choose(group, op, nbytes, native_ok)
+        if len(memo) >= MEMO_SIZE:
+            memo.clear()
+        memo[(op, nbytes, native_ok, group.comm.preferred_algorithm, id(group.cost_model), group.board_built,
+              group.board is None)] = algo  # after calibration, under the model it was chosen with
+    return algo
+
+
+MEMO_SIZE = 4096
+
+
+def _choose(group, op: str, nbytes: int, native_ok: bool) -> str:
     pref = preferred(group, op)
     if pref is not None:  # the user's choice (the training config's comm.algorithm) beats the model
         return pref

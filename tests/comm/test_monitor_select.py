@@ -170,3 +170,29 @@ def test_peer_timeout_keeps_its_reason_through_pickle():
     e = pickle.loads(pickle.dumps(PeerTimeout("ranks [2] never arrived", [2], never_arrived=True)))
     assert e.missing == [2] and e.never_arrived and str(e) == "ranks [2] never arrived"
     assert not pickle.loads(pickle.dumps(PeerTimeout("stalled", [1]))).never_arrived
+
+
+def test_auto_answers_are_kept_per_group_and_follow_the_preferred_algorithm_and_model():
+    """select.choose keeps its answers per group; a changed preferred algorithm or cost model
+    must change them (a stale memo would go on answering the old choice)."""
+    def fn(rank):
+        g = mc.current().world
+        n = 1 << 16
+        first = select.choose(g, "all_reduce", n)
+        kept = len(g.choices)
+        again = select.choose(g, "all_reduce", n)
+        mc.current().preferred_algorithm = "direct"
+        preferred = select.choose(g, "all_reduce", n)
+        mc.current().preferred_algorithm = None
+        # two models that disagree: messages at a second each, then bytes at a second each
+        answers = []
+        for model in (select.CostModel(1.0, 1e-12, 1e-12), select.CostModel(1e-12, 1.0, 1e-12)):
+            g.cost_model = model  # the memo is not cleared: its key must tell the models apart
+            answers.append((select.choose(g, "all_reduce", n), select._choose(g, "all_reduce", n, True)))
+        return first, kept, again, preferred, answers
+
+    for first, kept, again, preferred, answers in mc.run_local(4, fn):
+        assert kept == 1 and again == first
+        assert preferred == "direct"
+        assert all(kept_answer == fresh for kept_answer, fresh in answers)
+        assert answers[0][1] != answers[1][1]  # the models really choose differently

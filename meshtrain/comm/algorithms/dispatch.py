@@ -118,7 +118,7 @@ def _all_gather_shm(ctx: Ctx, g: Group, inp: torch.Tensor, outs: list[torch.Tens
 
 
 def _all_gather_native(ctx: Ctx, g: Group, inp: torch.Tensor, outs: list[torch.Tensor], whole: torch.Tensor | None) -> None:
-    native.all_gather(g.torch_group, g.ranks, outs, inp.contiguous())
+    native.all_gather(g.torch_group, g.ranks, outs, inp.contiguous(), whole)
 
 
 def _reduce_scatter(fn: Callable) -> Callable:

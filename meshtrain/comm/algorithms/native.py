@@ -183,12 +183,18 @@ def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
-def all_gather(pg, ranks: list[int], outs: list[torch.Tensor], inp: torch.Tensor) -> None:
-    """torch.distributed.all_gather into ``outs`` (meshtrain group order)."""
-    whole = joined(outs) if ranks == sorted(ranks) else None
-    if whole is not None:
-        _run(_ALL_GATHER_SINGLE, whole, _check(inp).reshape(-1), group=pg)
-        return
+def all_gather(pg, ranks: list[int], outs: list[torch.Tensor] | None, inp: torch.Tensor,
+               whole: torch.Tensor | None = None) -> None:
+    """torch.distributed.all_gather into ``outs`` (meshtrain group order), or into the flat
+    ``whole`` whose consecutive blocks they are (either may be None, not both)."""
+    if ranks == sorted(ranks):
+        flat = whole if whole is not None else joined(outs)
+        if flat is not None:
+            _run(_ALL_GATHER_SINGLE, flat, _check(inp).reshape(-1), group=pg)
+            return
+    if outs is None:
+        n = inp.numel()
+        outs = [whole[i * n : (i + 1) * n] for i in range(len(ranks))]
     _run(dist.all_gather, [outs[i] for i in order(ranks)], _check(inp), group=pg)
 
 
