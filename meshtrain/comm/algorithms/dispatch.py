@@ -137,7 +137,7 @@ _reduce_scatter_staged_shm = _reduce_scatter(shm_direct.reduce_scatter)
 
 
 # gloo's reduce-scatter (CPU) ran slower than its all-reduce of the whole input, staged in scratch
-# and sliced: 0.78-0.92x the time at 4 KB-16 MB on 2 ranks, 0.83-1.0x on 4 (docs/benchmarks.md,
+# and sliced: 0.63-0.91x the time at 4 KB-16 MB on 2 ranks, 0.83-1.0x on 4 (docs/benchmarks.md,
 # session 14). Its work also has no future, so the caller cannot look at it before blocking
 # (native.finish). Larger groups keep gloo's: an all-reduce moves twice the bytes.
 RS_OVER_ALL_REDUCE_MAX = 4

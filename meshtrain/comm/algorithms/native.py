@@ -114,10 +114,10 @@ def _on_cpu(t: torch.Tensor | list[torch.Tensor]) -> bool:
 def finish(work: dist.Work) -> None:
     """Wait for a CPU op the way a spin-then-park lock does: look at ``work`` for up to POLL_S,
     handing the core to any runnable thread between looks (sched_yield), then block in torch's
-    wait. On this 2-core VM a thread that blocks at once lets its core idle, and waking it when
-    the peer's data arrives cost 50-100 us a call: gloo's own blocking call was 1.1-1.3x slower
-    than this at 4 KB-4 MB on 2 and 4 ranks (docs/benchmarks.md). Only works with a future
-    complete outside ``wait`` (``NO_FUTURE`` are not looked at)."""
+    wait. On the 2-core test VM a thread that blocks at once lets its core idle, and waking it
+    when the peer's data arrives is slow: this took 0.75-1.0x the time of torch's blocking call at
+    4 KB-4 MB on 2 and 4 ranks (docs/benchmarks.md, session 14). Only works with a future complete
+    outside ``wait`` (``NO_FUTURE`` are not looked at)."""
     polled(work)
     work.wait()
 
