@@ -78,14 +78,21 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = No
     """Start sending ``tensor`` to global rank ``dst`` (or ``group``'s rank ``group_dst``); keep it
     unchanged until the Work is done."""
     g, t, dst = _prep(tensor, dst, group, tag, "send", group_dst)
-    return _TimedWork(g.comm.transport.isend(tensor, dst, t), g.timeout, f"send to rank {dst} (tag {tag})")
+    return _timed(g.comm.transport.isend(tensor, dst, t), g.timeout, f"send to rank {dst} (tag {tag})")
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0,
           group_src: int | None = None) -> Work:
     """Start receiving into ``tensor`` from global rank ``src`` (or ``group``'s rank ``group_src``)."""
     g, t, src = _prep(tensor, src, group, tag, "recv", group_src)
-    return _TimedWork(g.comm.transport.irecv(tensor, src, t), g.timeout, f"recv from rank {src} (tag {tag})")
+    return _timed(g.comm.transport.irecv(tensor, src, t), g.timeout, f"recv from rank {src} (tag {tag})")
+
+
+def _timed(work: Work, timeout: float, what: str) -> Work:
+    """``work`` with waits that end at the group's ``timeout``: bounded by the transport's work
+    itself where it can (the torch transport's), else wrapped in a ``_TimedWork``."""
+    bound = getattr(work, "bound", None)
+    return bound(timeout, what) if bound is not None else _TimedWork(work, timeout, what)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,

@@ -190,3 +190,19 @@ def test_missing_rank_over_gloo_is_named_within_the_timeout(algo):
     with pytest.raises(CollectiveTimeout, match=r"all_reduce #2 .*rank\(s\) \[2\] never called it"):
         spawn(3, _skip, algo, timeout=60, comm_timeout=3)
     assert time.monotonic() - t0 < 25
+
+
+def _unmatched_recv(rank: int) -> None:
+    import meshtrain.comm as mc
+
+    if rank == 0:
+        mc.irecv(torch.empty(4), 1, tag=5).wait()  # rank 1 never sends: the group's timeout ends it
+    else:
+        time.sleep(8)  # alive past rank 0's timeout: a timeout, not a closed connection
+
+
+def test_a_recv_nobody_sends_to_ends_at_the_group_timeout_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"recv from rank 1 \(tag 5\) timed out after 3s: .*matching send/recv"):
+        spawn(2, _unmatched_recv, timeout=60, comm_timeout=3)
+    assert time.monotonic() - t0 < 25

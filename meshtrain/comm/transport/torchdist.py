@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from ...errors import CollectiveError
+from ...errors import CollectiveError, CollectiveTimeout
 from ..work import Work
 from .base import PeerTimeout, Transport
 from .rendezvous import set_store_timeout, store_all_gather
@@ -44,17 +44,32 @@ class _TorchP2PWork(Work):
     def __init__(self, transport: "TorchTransport", work, peer: int, what: str, out: torch.Tensor | None) -> None:
         super().__init__(f"{what} rank {peer}")
         self._t, self._w, self._peer, self._what, self._out = transport, work, peer, what, out
+        self._bound: float | None = None
+
+    def bound(self, timeout: float, description: str) -> "_TorchP2PWork":
+        """Make every wait end by ``timeout`` seconds, failing the work with a CollectiveTimeout
+        that names ``description`` (a user's send/recv, ``p2p``): what ``p2p._TimedWork`` does for
+        other transports, without a second Work and wait in the path. In a 2-rank ping-pong each
+        layer there sits on both ranks' critical path and costs several times its own length."""
+        self._bound, self.description = timeout, description
+        return self
 
     def _progress(self, timeout: float | None) -> bool:
         if self._done.is_set():
             return True
         if timeout == 0 and not self._w.is_completed():
             return False
+        bound = self._bound
+        if bound is not None:
+            timeout = bound if timeout is None else min(timeout, bound)
         try:
             with self._t.while_blocked():
                 self._w.wait(_FOREVER if timeout is None else datetime.timedelta(seconds=timeout))
         except Exception as exc:  # gloo raises RuntimeError for timeouts and closed connections
             err = _peer_failure(exc, self._peer, self._what, self._t.liveness)
+            if bound is not None and isinstance(err, PeerTimeout):
+                err = CollectiveTimeout(f"{self.description} timed out after {bound:g}s: {err}. Check that the "
+                                        "peer posts the matching send/recv with the same tag.")
             self._finish(exc=err)
             raise err from None
         self._finish(self._out)
