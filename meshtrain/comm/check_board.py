@@ -196,7 +196,7 @@ class Ahead:
             work.wait()
             return
         if native.polled(work):  # a small op ends within the poll (see native.finish)
-            work.wait()
+            self._finish(work)
             return
         watch = timedelta(seconds=self.WATCH_S)
         while True:

@@ -103,7 +103,7 @@ def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         guard.wait(fn(*args, async_op=True, **kw))
     elif fn not in NO_FUTURE and _on_cpu(args[0]):
         finish(fn(*args, async_op=True, **kw))
-    else:  # NCCL's ops are ordered on the stream: the caller does not wait for them
+    else:  # NCCL's ops are ordered on the stream (the host does not wait); NO_FUTURE cannot be looked at
         fn(*args, **kw)
 
 
