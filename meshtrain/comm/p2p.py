@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CollectiveTimeout
 from .call import check_tensor, resolve_group
 from .communicator import Group
 from .runner import p2p_tag
-from .transport.base import PeerTimeout
+from .transport.base import PeerTimeout, p2p_timeout
 from .types import check_dtype
 from .work import Work
 
@@ -29,8 +28,7 @@ class _TimedWork(Work):
                     return False
             self._inner.wait(self._timeout if timeout is None else min(timeout, self._timeout))
         except PeerTimeout as exc:
-            err = CollectiveTimeout(f"{self.description} timed out after {self._timeout:g}s: {exc}. "
-                                    "Check that the peer posts the matching send/recv with the same tag.")
+            err = p2p_timeout(self.description, self._timeout, exc)
             self._finish(exc=err)
             return True
         except BaseException as exc:  # noqa: BLE001

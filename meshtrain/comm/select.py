@@ -272,16 +272,18 @@ def choose(group, op: str, nbytes: int, native_ok: bool = True) -> str:
     memo = getattr(group, "choices", None)
     if memo is None:
         return _choose(group, op, nbytes, native_ok)
-    key = (op, nbytes, native_ok, group.comm.preferred_algorithm, id(group.cost_model), group.board_built,
-           group.board is None)
-    algo = memo.get(key)
+    algo = memo.get(_memo_key(group, op, nbytes, native_ok))
     if algo is None:
         algo = _choose(group, op, nbytes, native_ok)
         if len(memo) >= MEMO_SIZE:
             memo.clear()
-        memo[(op, nbytes, native_ok, group.comm.preferred_algorithm, id(group.cost_model), group.board_built,
-              group.board is None)] = algo  # after calibration, under the model it was chosen with
+        memo[_memo_key(group, op, nbytes, native_ok)] = algo  # after calibration: the model it was chosen with
     return algo
+
+
+def _memo_key(group, op: str, nbytes: int, native_ok: bool) -> tuple:
+    return (op, nbytes, native_ok, group.comm.preferred_algorithm, id(group.cost_model), group.board_built,
+            group.board is None)
 
 
 MEMO_SIZE = 4096

@@ -26,6 +26,12 @@ class PeerTimeout(CollectiveTimeout):
         return (type(self), (str(self), self.missing, self.never_arrived))
 
 
+def p2p_timeout(description: str, seconds: float, exc: BaseException) -> CollectiveTimeout:
+    """The error of a user's send/recv that did not complete within its group's timeout."""
+    return CollectiveTimeout(f"{description} timed out after {seconds:g}s: {exc}. Check that the peer posts "
+                             "the matching send/recv with the same tag.")
+
+
 class FingerprintMismatch(Exception):
     """The members' fingerprints of one call differ (raised on every member; the runner then
     exchanges the full metadata to name the ranks and what each passed)."""

@@ -19,9 +19,9 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from ...errors import CollectiveError, CollectiveTimeout
+from ...errors import CollectiveError
 from ..work import Work
-from .base import PeerTimeout, Transport
+from .base import PeerTimeout, Transport, p2p_timeout
 from .rendezvous import set_store_timeout, store_all_gather
 
 _FOREVER = datetime.timedelta(days=365)
@@ -68,8 +68,7 @@ class _TorchP2PWork(Work):
         except Exception as exc:  # gloo raises RuntimeError for timeouts and closed connections
             err = _peer_failure(exc, self._peer, self._what, self._t.liveness)
             if bound is not None and isinstance(err, PeerTimeout):
-                err = CollectiveTimeout(f"{self.description} timed out after {bound:g}s: {err}. Check that the "
-                                        "peer posts the matching send/recv with the same tag.")
+                err = p2p_timeout(self.description, bound, err)
             self._finish(exc=err)
             raise err from None
         self._finish(self._out)
