@@ -64,10 +64,10 @@ def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> N
             dist.reduce(inp, 0)
         elif op == "broadcast":
             dist.broadcast(inp, 0)
-        elif op == "all_gather":
-            dist.all_gather_into_tensor(out, inp)
+        elif op == "all_gather":  # the names torch 2.13 keeps (the old ones warn on every call)
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(out, inp)
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp)
         elif op == "all_to_all":
             dist.all_to_all_single(out, inp)
         return

@@ -206,3 +206,52 @@ def test_a_recv_nobody_sends_to_ends_at_the_group_timeout_naming_it():
     with pytest.raises(CollectiveTimeout, match=r"recv from rank 1 \(tag 5\) timed out after 3s: .*matching send/recv"):
         spawn(2, _unmatched_recv, timeout=60, comm_timeout=3)
     assert time.monotonic() - t0 < 25
+
+
+def _native_on_a_subgroup(rank: int) -> dict:
+    """torch's ops called on the ProcessGroup itself (native._run's ``direct``) on a subgroup whose
+    meshtrain order (3, 1) is not torch's (1, 3): roots are global ranks, mapped to torch's."""
+    import meshtrain.comm as mc
+
+    g = mc.new_group([3, 1])
+    out: dict = {}
+    if rank in (1, 3):
+        x = torch.arange(4, dtype=torch.float32) + 10 * rank
+        for root in (3, 1):
+            t = x.clone()
+            mc.broadcast(t, root, group=g, algorithm="native")
+            out[f"broadcast{root}"] = t.tolist()
+            t = x.clone()
+            mc.reduce(t, root, group=g, algorithm="native")
+            out[f"reduce{root}"] = t.tolist() if rank == root else None
+        t = x.clone()
+        mc.all_reduce(t, op="max", group=g, algorithm="native")
+        out["all_reduce_max"] = t.tolist()
+        whole = torch.empty(8)
+        mc.all_gather_into_tensor(whole, x, group=g, algorithm="native")
+        out["all_gather"] = whole.tolist()
+        part = torch.empty(2)
+        mc.reduce_scatter_tensor(part, x, group=g, algorithm="native")
+        out["reduce_scatter"] = part.tolist()
+        c = torch.tensor([1 + 2j, rank * 1j], dtype=torch.complex64)  # torch's wrapper views it as real
+        mc.all_reduce(c, group=g, algorithm="native")
+        out["complex"] = c.tolist()
+    mc.barrier()
+    return out
+
+
+def test_native_ops_on_a_reordered_subgroup_match_torch_semantics():
+    res = spawn(4, _native_on_a_subgroup, timeout=120)
+    xs = {r: torch.arange(4, dtype=torch.float32) + 10 * r for r in (1, 3)}
+    total = (xs[1] + xs[3]).tolist()
+    for r in (1, 3):
+        out = res[r]
+        for root in (3, 1):
+            assert out[f"broadcast{root}"] == xs[root].tolist()
+            assert out[f"reduce{root}"] == (total if r == root else None)
+        assert out["all_reduce_max"] == torch.maximum(xs[1], xs[3]).tolist()
+        assert out["all_gather"] == torch.cat([xs[3], xs[1]]).tolist()  # meshtrain's group order
+        mine = 0 if r == 3 else 1
+        assert out["reduce_scatter"] == (xs[1] + xs[3])[2 * mine : 2 * mine + 2].tolist()
+        assert out["complex"] == [2 + 4j, 4j]
+    assert res[0] == res[2] == {}

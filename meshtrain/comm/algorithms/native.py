@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions as _AllgatherOptions  # not in dist.*
 
 from ..types import ReduceOp
 
@@ -30,6 +31,10 @@ _TORCH_OPS = {
 # The flat-tensor forms (torch 2.13 renamed them *_single and deprecated the old names).
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# ... and the ProcessGroup's methods under them (``direct`` in ``_run``)
+_PG_ALL_GATHER_SINGLE = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+_PG_REDUCE_SCATTER_SINGLE = (getattr(dist.ProcessGroup, "reduce_scatter_single", None)
+                             or dist.ProcessGroup._reduce_scatter_base)
 # meshtrain's own algorithms move these; torch's gloo and NCCL collectives refuse them.
 NO_NATIVE = (torch.int16,)
 # gloo's reduce-scatter works have no future and complete only inside wait(): nothing to look at.
@@ -84,7 +89,11 @@ class Guard:
 
 YIELD_S, MIN_SLEEP_S, MAX_SLEEP_S = 200e-6, 50e-6, 1e-3
 
-_local = threading.local()
+class _Local(threading.local):
+    guard: Guard | None = None  # a class default: a miss costs no AttributeError
+
+
+_local = _Local()
 
 
 @contextlib.contextmanager
@@ -97,18 +106,38 @@ def guarded(guard: Guard) -> Iterator[None]:
         _local.guard = None
 
 
-def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
-    guard = getattr(_local, "guard", None)
+def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = None, **kw: Any) -> None:
+    """Run torch.distributed's ``fn(*args, **kw)``. On CPU tensors ``direct``, if given, issues the
+    same op on the ProcessGroup itself: torch's Python wrapper (argument checks, its logging
+    decorator) cost 12-35 µs a call here, and on this VM time in front of a gloo call costs two to
+    four times its length (docs/benchmarks.md, session 15)."""
+    cpu = _on_cpu(args[0])
+    work = direct() if direct is not None and cpu else None
+    guard = _local.guard
     if guard is not None:
-        guard.wait(fn(*args, async_op=True, **kw))
-    elif fn not in NO_FUTURE and _on_cpu(args[0]):
-        finish(fn(*args, async_op=True, **kw))
-    else:  # NCCL's ops are ordered on the stream (the host does not wait); NO_FUTURE cannot be looked at
+        guard.wait(work if work is not None else fn(*args, async_op=True, **kw))
+    elif not cpu:  # NCCL's ops are ordered on the stream (the host does not wait)
         fn(*args, **kw)
+    elif fn in NO_FUTURE:  # cannot be looked at: wait as torch does
+        if work is not None:
+            work.wait()
+        else:
+            fn(*args, **kw)
+    else:
+        finish(work if work is not None else fn(*args, async_op=True, **kw))
+
+
+def _world(pg: Any) -> Any:
+    return pg if pg is not None else dist.group.WORLD
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the ProcessGroup as is (torch's wrapper views complex as real)."""
+    return not t.is_complex()
 
 
 def _on_cpu(t: torch.Tensor | list[torch.Tensor]) -> bool:
-    return (t[0] if isinstance(t, list) else t).device.type == "cpu"
+    return (t[0] if isinstance(t, list) else t).is_cpu
 
 
 def finish(work: dist.Work) -> None:
@@ -154,17 +183,32 @@ def order(ranks: list[int]) -> list[int]:
 
 def all_reduce(pg, buf: torch.Tensor, op: ReduceOp) -> None:
     """torch.distributed.all_reduce."""
-    _run(dist.all_reduce, _check(buf), torch_op(op), group=pg)
+    def direct() -> Any:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = torch_op(op)
+        return _world(pg).allreduce([buf], opts)
+
+    _run(dist.all_reduce, _check(buf), torch_op(op), group=pg, direct=direct if _plain(buf) else None)
 
 
 def reduce(pg, buf: torch.Tensor, op: ReduceOp, root_global: int) -> None:
     """torch.distributed.reduce."""
-    _run(dist.reduce, _check(buf), root_global, torch_op(op), group=pg)
+    def direct() -> Any:
+        opts = dist.ReduceOptions()
+        opts.reduceOp, opts.rootRank, opts.rootTensor = torch_op(op), dist.get_group_rank(_world(pg), root_global), 0
+        return _world(pg).reduce([buf], opts)
+
+    _run(dist.reduce, _check(buf), root_global, torch_op(op), group=pg, direct=direct if _plain(buf) else None)
 
 
 def broadcast(pg, buf: torch.Tensor, root_global: int) -> None:
     """torch.distributed.broadcast."""
-    _run(dist.broadcast, _check(buf), root_global, group=pg)
+    def direct() -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = dist.get_group_rank(_world(pg), root_global), 0
+        return _world(pg).broadcast([buf], opts)
+
+    _run(dist.broadcast, _check(buf), root_global, group=pg, direct=direct if _plain(buf) else None)
 
 
 def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -172,7 +216,7 @@ def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
     storage), or None: gloo's tensor forms of all-gather and reduce-scatter skip the list forms'
     per-block copies."""
     first = ts[0]
-    if first.device.type != "cpu":  # NCCL's list forms are not slower; keep one path there
+    if not first.is_cpu:  # NCCL's list forms are not slower; keep one path there
         return None
     es, at = first.element_size(), first.data_ptr()
     for t in ts:
@@ -190,7 +234,10 @@ def all_gather(pg, ranks: list[int], outs: list[torch.Tensor] | None, inp: torch
     if ranks == sorted(ranks):
         flat = whole if whole is not None else joined(outs)
         if flat is not None:
-            _run(_ALL_GATHER_SINGLE, flat, _check(inp).reshape(-1), group=pg)
+            flat_in = _check(inp).reshape(-1)
+            direct = (lambda: _PG_ALL_GATHER_SINGLE(_world(pg), flat, flat_in, _AllgatherOptions())) \
+                if _plain(flat_in) else None
+            _run(_ALL_GATHER_SINGLE, flat, flat_in, group=pg, direct=direct)
             return
     if outs is None:
         n = inp.numel()
@@ -203,7 +250,14 @@ def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tens
     whole = joined(ins) if ranks == sorted(ranks) and out.is_contiguous() else None
     if whole is not None and whole.dtype == out.dtype:
         # gloo checks dim 0 (output rows x world == input rows): both flat
-        _run(_REDUCE_SCATTER_SINGLE, _check(out).view(-1), whole, torch_op(op), group=pg)
+        flat_out = _check(out).view(-1)
+
+        def direct() -> Any:
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = torch_op(op)
+            return _PG_REDUCE_SCATTER_SINGLE(_world(pg), flat_out, whole, opts)
+
+        _run(_REDUCE_SCATTER_SINGLE, flat_out, whole, torch_op(op), group=pg, direct=direct if _plain(whole) else None)
         return
     _run(dist.reduce_scatter, _check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
 
