@@ -58,7 +58,7 @@ def check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
     """``t`` if it is a tensor this transport can move; TypeError/ValueError naming ``what`` if not."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         _check_device(t, what)
     return t
 

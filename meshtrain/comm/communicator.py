@@ -179,13 +179,17 @@ class Communicator:
         self.transport.close()
 
 
-_thread = threading.local()
+class _ThreadComm(threading.local):
+    comm: "Communicator | None" = None  # a class default: a miss costs no AttributeError
+
+
+_thread = _ThreadComm()
 _process: dict[str, Communicator | None] = {"comm": None}
 
 
 def current() -> Communicator:
     """The communicator bound to this thread (run_local) or this process (init)."""
-    comm = getattr(_thread, "comm", None) or _process["comm"]
+    comm = _thread.comm or _process["comm"]
     if comm is None:
         raise RuntimeError(
             "meshtrain.comm is not initialised: call meshtrain.comm.init() in each process "

@@ -11,6 +11,38 @@ import torch
 from ..errors import CollectiveTimeout
 
 
+class _Latch:
+    """A one-shot ``threading.Event`` (``set``, ``is_set``, ``wait``) made of one lock, held from
+    creation until ``set``: a Work is made for every operation, and an Event (a Condition, its lock
+    and a waiter list, built in Python) cost 2 µs of the 5 µs a point-to-point Work took to make
+    and finish. Every waiter takes the lock and hands it straight on, so all of them wake."""
+
+    __slots__ = ("_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def is_set(self) -> bool:
+        """True once ``set`` was called."""
+        return self._flag
+
+    def set(self) -> None:
+        """Mark done and wake every waiter (call once)."""
+        if not self._flag:
+            self._flag = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set, or ``timeout`` seconds; return whether it is set."""
+        if self._flag:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self._lock.release()
+        return self._flag
+
+
 class Work:
     """Handle of an asynchronous send, receive or collective.
 
@@ -20,7 +52,7 @@ class Work:
     """
 
     def __init__(self, description: str = "operation") -> None:
-        self._done = threading.Event()
+        self._done = _Latch()
         self._exc: BaseException | None = None
         self._result: Any = None
         self._callbacks: list[Callable[[Work], None]] = []

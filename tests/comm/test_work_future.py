@@ -132,3 +132,27 @@ def test_torch_reduce_ops_and_product_alias_map():
     assert mc.ReduceOp.PRODUCT is mc.ReduceOp.PROD
     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
         assert mc.types.parse_op(getattr(tdist.ReduceOp, name)) is getattr(mc.ReduceOp, name)
+
+
+def test_a_works_latch_wakes_every_waiter_and_times_out_unset():
+    """Work's completion latch (one lock, not an Event): unset, a wait with a timeout returns False
+    after it; set from another thread, every waiter wakes, and later waits return at once."""
+    import threading
+
+    from meshtrain.comm.work import _Latch
+
+    latch = _Latch()
+    t0 = time.monotonic()
+    assert latch.wait(0.05) is False and not latch.is_set()
+    assert time.monotonic() - t0 >= 0.04
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(latch.wait(10))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    threading.Thread(target=latch.set).start()
+    for w in waiters:
+        w.join(5)
+    assert woke == [True, True, True]
+    latch.set()  # a second set is harmless
+    assert latch.wait() is True and latch.wait(0) is True and latch.is_set()
