@@ -51,11 +51,11 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
 
     def body(ctx: Ctx) -> torch.Tensor:
         buf, back = _flat(tensor, work_dtype(tensor.dtype, rop))
-        if sym is not None:  # buf is tensor itself (same dtype, contiguous)
-            shm_direct.all_reduce_symmetric(ctx, buf, rop, *sym)
+        if sym is not None:  # buf is tensor itself (same dtype, contiguous); averaged slice by slice
+            shm_direct.all_reduce_symmetric(ctx, buf, rop, *sym, g.size if rop is ReduceOp.AVG else 1)
         else:
             run(ctx, g, buf, rop)
-        finish_avg(buf, rop, g.size)
+            finish_avg(buf, rop, g.size)
         if back:
             tensor.copy_(buf.view(tensor.shape))
         return tensor
