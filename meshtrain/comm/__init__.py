@@ -85,6 +85,9 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
                                  dist.get_world_size(), setup, remote=remote)
     hosts = getattr(t, "hosts", None)
     comm = Communicator(t, timeout=timeout, check=check, node_size=node_size, hosts=hosts)
+    from .algorithms import native
+
+    native.crowded(comm.hosts.count(comm.hosts[comm.rank]))  # torch's ops' waits (native.polled)
     if liveness is not None:
         t.liveness = liveness  # the shm transport's waits raise PeerLost at once
         if getattr(t, "remote", None) is not None:

@@ -187,15 +187,16 @@ class Ahead:
     def __init__(self, board: CheckBoard, seq: int, fp: int, deadline: float, what: str) -> None:
         self.board, self.seq, self.fp, self.deadline, self.what = board, seq, fp, deadline, what
 
-    def wait(self, work: Any) -> None:
-        """Wait for ``work``: raise FingerprintMismatch if a peer posts another call first."""
+    def wait(self, work: Any, nbytes: int = 0) -> None:
+        """Wait for ``work`` (of ``nbytes``: see ``native.polled``): raise FingerprintMismatch if a
+        peer posts another call first."""
         try:
             work.get_future()
         except RuntimeError:  # gloo works without a future complete only inside wait(): check first
             self.board.settle(self.seq, self.fp, self.deadline, self.what)
             work.wait()
             return
-        if native.polled(work):  # a small op ends within the poll (see native.finish)
+        if native.polled(work, nbytes):  # a small op ends within the poll (see native.finish)
             self._finish(work)
             return
         watch = timedelta(seconds=self.WATCH_S)

@@ -85,3 +85,28 @@ def test_a_long_op_is_looked_at_for_poll_s_then_left_to_torchs_wait():
     assert time.monotonic() - t0 >= native.POLL_S and work.seen >= 1
     native.finish(work)
     assert work.waited == 1
+
+
+def test_on_a_crowded_host_a_large_op_is_looked_at_once_and_a_small_one_still_polled(monkeypatch):
+    """More ranks on the host than cores: an op of LOOK_MAX_BYTES or more is looked at once and
+    left to torch's wait (its looks would take the core from the ranks it waits for); a smaller
+    op is still looked at for POLL_S. With the ranks fitting the cores, every op is polled."""
+    monkeypatch.setattr(native, "POLL_S", 0.05)
+    monkeypatch.setattr(native, "_crowded", [False])
+    native.crowded(10_000)  # more ranks than any machine running this has cores
+    assert native._crowded == [True]
+    big = FakeWork(looks=None)
+    assert native.polled(big, native.LOOK_MAX_BYTES) is False and big.seen == 1
+    small = FakeWork(looks=None)
+    t0 = time.monotonic()
+    assert native.polled(small, native.LOOK_MAX_BYTES - 1) is False
+    assert time.monotonic() - t0 >= native.POLL_S and small.seen > 1
+    native.crowded(1)
+    assert native._crowded == [False]
+    big = FakeWork(looks=None)
+    assert native.polled(big, native.LOOK_MAX_BYTES) is False and big.seen > 1
+    # _run hands the op's size on: a 1 MiB fp32 buffer on a crowded host gets one look
+    native.crowded(10_000)
+    op = FakeOp(looks=None)
+    native._run(op, torch.ones(native.LOOK_MAX_BYTES // 4))
+    assert op.work.seen == 1 and op.work.waited == 1

@@ -58,8 +58,9 @@ class Guard:
         """The check failed (or timed out): the wait stops at its next look."""
         self.failed = True
 
-    def wait(self, work: dist.Work) -> None:
-        """Wait for ``work``; raise ``Aborted`` if the check fails first.
+    def wait(self, work: dist.Work, nbytes: int = 0) -> None:
+        """Wait for ``work``; raise ``Aborted`` if the check fails first. (``nbytes``: the op's
+        size, unused: this wait looks at the check's verdict between its looks anyway.)
 
         The wait polls ``is_completed``: it yields the core for the first YIELD_S (gloo's threads
         finish a small op in that time), then sleeps in short steps, looking at the check's verdict
@@ -115,7 +116,7 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
     work = direct() if direct is not None and cpu else None
     guard = _local.guard
     if guard is not None:
-        guard.wait(work if work is not None else fn(*args, async_op=True, **kw))
+        guard.wait(work if work is not None else fn(*args, async_op=True, **kw), _nbytes(args[0]))
     elif not cpu:  # NCCL's ops are ordered on the stream (the host does not wait)
         fn(*args, **kw)
     elif fn in NO_FUTURE:  # cannot be looked at: wait as torch does
@@ -124,7 +125,11 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
         else:
             fn(*args, **kw)
     else:
-        finish(work if work is not None else fn(*args, async_op=True, **kw))
+        finish(work if work is not None else fn(*args, async_op=True, **kw), _nbytes(args[0]))
+
+
+def _nbytes(t: torch.Tensor | list[torch.Tensor]) -> int:
+    return sum(x.numel() * x.element_size() for x in t) if isinstance(t, list) else t.numel() * t.element_size()
 
 
 def _world(pg: Any) -> Any:
@@ -140,19 +145,25 @@ def _on_cpu(t: torch.Tensor | list[torch.Tensor]) -> bool:
     return (t[0] if isinstance(t, list) else t).is_cpu
 
 
-def finish(work: dist.Work) -> None:
+def finish(work: dist.Work, nbytes: int = 0) -> None:
     """Wait for a CPU op the way a spin-then-park lock does: look at ``work`` for up to POLL_S,
     handing the core to any runnable thread between looks (sched_yield), then block in torch's
     wait. On the 2-core test VM a thread that blocks at once lets its core idle, and waking it
     when the peer's data arrives is slow: this took 0.75-1.0x the time of torch's blocking call at
     4 KB-4 MB on 2 and 4 ranks (docs/benchmarks.md, session 14). Only works with a future complete
-    outside ``wait`` (``NO_FUTURE`` are not looked at)."""
-    polled(work)
+    outside ``wait`` (``NO_FUTURE`` are not looked at). ``nbytes``: the op's size (see
+    ``polled``)."""
+    polled(work, nbytes)
     work.wait()
 
 
-def polled(work: dist.Work) -> bool:
-    """True once ``work`` completed, looked at for up to POLL_S, yielding the core between looks."""
+def polled(work: dist.Work, nbytes: int = 0) -> bool:
+    """True once ``work`` completed, looked at for up to POLL_S, yielding the core between looks.
+    On a host with more ranks than cores an op of LOOK_MAX_BYTES or more is looked at once only:
+    it outlasts the looks, and they take the core from ranks that must run for it to end (4 ranks
+    on 2 cores, 1 MB all-gather: 3-10 % slower with them, docs/benchmarks.md, session 15)."""
+    if nbytes >= LOOK_MAX_BYTES and _crowded[0]:
+        return work.is_completed()
     end = time.monotonic() + POLL_S
     while not work.is_completed():
         if time.monotonic() >= end:
@@ -162,6 +173,18 @@ def polled(work: dist.Work) -> bool:
 
 
 POLL_S = float(os.environ.get("MESHTRAIN_NATIVE_POLL_US", "200")) * 1e-6
+LOOK_MAX_BYTES = 1 << 20
+_crowded = [False]  # this host runs more ranks than this process may use cores (``crowded``)
+
+
+def crowded(ranks_here: int) -> None:
+    """Tell the waits how many ranks share this host (comm.init): more than the cores this
+    process may use, and large ops are not looked at (``polled``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    _crowded[0] = ranks_here > cores
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:
