@@ -56,6 +56,7 @@ def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> N
     import torch.distributed as dist
 
     import meshtrain.comm as mc
+    from meshtrain.comm.algorithms import native
 
     if algo == "native":  # the peer: torch.distributed directly
         if op == "all_reduce":
@@ -65,9 +66,9 @@ def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> N
         elif op == "broadcast":
             dist.broadcast(inp, 0)
         elif op == "all_gather":  # the names torch 2.13 keeps (the old ones warn on every call)
-            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp)
+            native.ALL_GATHER_SINGLE(out, inp)
         elif op == "reduce_scatter":
-            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp)
+            native.REDUCE_SCATTER_SINGLE(out, inp)
         elif op == "all_to_all":
             dist.all_to_all_single(out, inp)
         return

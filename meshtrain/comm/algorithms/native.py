@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions as _AllgatherOptions  # not in dist.*
 
+from ..transport.base import usable_cores
 from ..types import ReduceOp
 
 _TORCH_OPS = {
@@ -29,8 +30,8 @@ _TORCH_OPS = {
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 # The flat-tensor forms (torch 2.13 renamed them *_single and deprecated the old names).
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # ... and the ProcessGroup's methods under them (``direct`` in ``_run``)
 _PG_ALL_GATHER_SINGLE = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
 _PG_REDUCE_SCATTER_SINGLE = (getattr(dist.ProcessGroup, "reduce_scatter_single", None)
@@ -38,7 +39,7 @@ _PG_REDUCE_SCATTER_SINGLE = (getattr(dist.ProcessGroup, "reduce_scatter_single",
 # meshtrain's own algorithms move these; torch's gloo and NCCL collectives refuse them.
 NO_NATIVE = (torch.int16,)
 # gloo's reduce-scatter works have no future and complete only inside wait(): nothing to look at.
-NO_FUTURE = frozenset({_REDUCE_SCATTER_SINGLE, dist.reduce_scatter})
+NO_FUTURE = frozenset({REDUCE_SCATTER_SINGLE, dist.reduce_scatter})
 
 
 class Aborted(Exception):
@@ -180,11 +181,7 @@ _crowded = [False]  # this host runs more ranks than this process may use cores 
 def crowded(ranks_here: int) -> None:
     """Tell the waits how many ranks share this host (comm.init): more than the cores this
     process may use, and large ops are not looked at (``polled``)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    _crowded[0] = ranks_here > cores
+    _crowded[0] = ranks_here > usable_cores()
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:
@@ -217,9 +214,10 @@ def all_reduce(pg, buf: torch.Tensor, op: ReduceOp) -> None:
 def reduce(pg, buf: torch.Tensor, op: ReduceOp, root_global: int) -> None:
     """torch.distributed.reduce."""
     def direct() -> Any:
+        group = _world(pg)
         opts = dist.ReduceOptions()
-        opts.reduceOp, opts.rootRank, opts.rootTensor = torch_op(op), dist.get_group_rank(_world(pg), root_global), 0
-        return _world(pg).reduce([buf], opts)
+        opts.reduceOp, opts.rootRank, opts.rootTensor = torch_op(op), dist.get_group_rank(group, root_global), 0
+        return group.reduce([buf], opts)
 
     _run(dist.reduce, _check(buf), root_global, torch_op(op), group=pg, direct=direct if _plain(buf) else None)
 
@@ -227,9 +225,10 @@ def reduce(pg, buf: torch.Tensor, op: ReduceOp, root_global: int) -> None:
 def broadcast(pg, buf: torch.Tensor, root_global: int) -> None:
     """torch.distributed.broadcast."""
     def direct() -> Any:
+        group = _world(pg)
         opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = dist.get_group_rank(_world(pg), root_global), 0
-        return _world(pg).broadcast([buf], opts)
+        opts.rootRank, opts.rootTensor = dist.get_group_rank(group, root_global), 0
+        return group.broadcast([buf], opts)
 
     _run(dist.broadcast, _check(buf), root_global, group=pg, direct=direct if _plain(buf) else None)
 
@@ -260,7 +259,7 @@ def all_gather(pg, ranks: list[int], outs: list[torch.Tensor] | None, inp: torch
             flat_in = _check(inp).reshape(-1)
             direct = (lambda: _PG_ALL_GATHER_SINGLE(_world(pg), flat, flat_in, _AllgatherOptions())) \
                 if _plain(flat_in) else None
-            _run(_ALL_GATHER_SINGLE, flat, flat_in, group=pg, direct=direct)
+            _run(ALL_GATHER_SINGLE, flat, flat_in, group=pg, direct=direct)
             return
     if outs is None:
         n = inp.numel()
@@ -280,7 +279,7 @@ def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tens
             opts.reduceOp = torch_op(op)
             return _PG_REDUCE_SCATTER_SINGLE(_world(pg), flat_out, whole, opts)
 
-        _run(_REDUCE_SCATTER_SINGLE, flat_out, whole, torch_op(op), group=pg, direct=direct if _plain(whole) else None)
+        _run(REDUCE_SCATTER_SINGLE, flat_out, whole, torch_op(op), group=pg, direct=direct if _plain(whole) else None)
         return
     _run(dist.reduce_scatter, _check(out), [ins[i] for i in order(ranks)], torch_op(op), group=pg)
 

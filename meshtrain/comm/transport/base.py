@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -24,6 +25,14 @@ class PeerTimeout(CollectiveTimeout):
 
     def __reduce__(self) -> tuple:  # picklable (spawn's children send their errors to the parent)
         return (type(self), (str(self), self.missing, self.never_arrived))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; the machine's count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def p2p_timeout(description: str, seconds: float, exc: BaseException) -> CollectiveTimeout:

@@ -21,6 +21,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from .base import usable_cores
+
 SHM_DIR = os.environ.get("MESHTRAIN_SHM_DIR", "/dev/shm")
 PREFIX = "meshtrain."
 
@@ -263,9 +265,5 @@ def fence() -> None:
 
 def oversubscribed(ranks_here: int) -> None:
     """Turn spinning off when this host runs more ranks than this process may use cores."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    if ranks_here > cores:
+    if ranks_here > usable_cores():
         _spin[:] = [0.0, 0.0]
