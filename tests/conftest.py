@@ -19,6 +19,12 @@ if "MESHTRAIN_CACHE_DIR" not in os.environ:  # an isolated calibration cache, re
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["MESHTRAIN_CACHE_DIR"], "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["MESHTRAIN_CACHE_DIR"], "triton"))
 
+# The ranks of comm.launch.spawn fork from a server that imported torch once: start it now, so its
+# import overlaps collection and its temp dir (pymp-*, kept to the end) is there before any test looks.
+from meshtrain import worker_processes  # noqa: E402
+
+worker_processes.ensure_server()
+
 # CI runs derandomized so a red build is reproducible; locally HYPOTHESIS_PROFILE=dev explores more.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

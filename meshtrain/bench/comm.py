@@ -201,12 +201,11 @@ def copy_floor_us(world: int, nbytes: int, reps: int = 30) -> float:
     the shm collectives are measured against (busbw per memcpy says the same for one core)."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    start = ctx.Barrier(world)
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
-    procs = [ctx.Process(target=_floor_worker, args=(nbytes, reps, start, w), daemon=True) for _, w in pipes]
-    for proc in procs:
-        proc.start()
+    from .. import worker_processes
+
+    start = worker_processes.context().Barrier(world)
+    pipes = [mp.Pipe(duplex=False) for _ in range(world)]
+    procs = [worker_processes.start(_floor_worker, (nbytes, reps), handles=(start, w)) for _, w in pipes]
     try:
         return max(r.recv() for r, _ in pipes) * 1e6
     finally:

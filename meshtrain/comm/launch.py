@@ -16,6 +16,7 @@ import traceback
 from multiprocessing import connection
 from typing import Any, Callable
 
+from .. import worker_processes
 from ..errors import CollectiveError
 
 
@@ -58,8 +59,7 @@ def _unpack(data: bytes) -> Any:
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: float, check: bool,
-           fn: Callable[..., Any], args: tuple, results: Any, transport: str = "torch",
-           host_id: str | None = None) -> None:
+           fn: Callable[..., Any], args: tuple, transport: str, host_id: str | None, results: Any) -> None:
     try:
         import torch.distributed as dist
 
@@ -104,26 +104,23 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
           transport: str = "torch", host_ids: list[str] | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return results in rank order.
 
-    ``fn`` must be importable (a module-level function). ``timeout`` bounds the whole run;
+    The ranks are forked from a server that imported torch once (``worker_processes``), under
+    this process's environment at the call. ``fn`` must be importable (a module-level function). ``timeout`` bounds the whole run;
     ``comm_timeout`` bounds each collective inside it; ``transport`` is passed to ``init``
     (torch, shm or auto); ``host_ids`` gives each rank a host id (``MESHTRAIN_HOST_ID``), so
     that ``auto`` treats groups of ranks as hosts (shm inside, gloo between) on one machine.
     """
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=comm_timeout))
     # One pipe per child, not a multiprocessing.Queue: a Queue's named semaphores sit in /dev/shm
     # until the garbage collector finds the queue, which an exception's traceback can delay.
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
-    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, comm_timeout, check,
-                                              fn, args, pipes[r][1], transport,
-                                              None if host_ids is None else host_ids[r]), daemon=True,
-                          name=f"meshtrain-rank{r}")
+    pipes = [mp.Pipe(duplex=False) for _ in range(world_size)]
+    procs = [worker_processes.start(_child, (r, world_size, store.port, backend, comm_timeout, check, fn, args,
+                                             transport, None if host_ids is None else host_ids[r]),
+                                    handles=(pipes[r][1],), name=f"meshtrain-rank{r}")
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     for _, w in pipes:
         w.close()  # the children hold the write ends; EOF on a read end means that child is gone
     readers = {pipes[r][0]: r for r in range(world_size)}

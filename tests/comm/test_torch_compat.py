@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import meshtrain.comm as mc
+from meshtrain import worker_processes
 from meshtrain.bench import compat
 from meshtrain.comm.launch import _pack, _unpack
 
@@ -46,14 +47,11 @@ def run_procs(modname: str, fn: Callable[..., Any], *args: Any, world: int = WOR
     """``fn(dist, rank, *args)`` on ``world`` fresh processes where ``dist`` is ``modname``."""
     import torch.distributed as tdist
 
-    ctx = mp.get_context("spawn")
     store = tdist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=60))
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
-    procs = [ctx.Process(target=_child, args=(modname, r, world, store.port, fn, args, pipes[r][1]), daemon=True)
+    pipes = [mp.Pipe(duplex=False) for _ in range(world)]
+    procs = [worker_processes.start(_child, (modname, r, world, store.port, fn, args), handles=(pipes[r][1],))
              for r in range(world)]
-    for p in procs:
-        p.start()
     try:
         out = []
         for r, (reader, _) in enumerate(pipes):
