@@ -86,6 +86,19 @@ def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> N
         mc.all_to_all(list(out.chunk(p)), list(inp.chunk(p)), algorithm=algo)
 
 
+def _same_calls(cases: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> None:
+    """Give every algorithm of a size the same number of calls a trial: that of the fastest first
+    call, less where it would make a slower algorithm's trial run past 5x the target. Counts taken
+    from each one's own first call had differed by chance (one slow first call: 44 calls a trial
+    against the peer's 200, session 15), and a mean of few calls moves more with one slow call."""
+    if cfg.get("iters") or len(cases) < 2:
+        return
+    most = max(c["iters"] for c in cases.values())
+    bound = min(math.ceil(5 * cfg["target_s"] / max(c["first"], 1e-6)) for c in cases.values())
+    for c in cases.values():
+        c["iters"] = max(min(most, bound), 3)
+
+
 def _max_over_ranks(x: float) -> float:
     import meshtrain.comm as mc
 
@@ -133,7 +146,8 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             _call(op, algo, inp, out, p)
             first = _max_over_ranks(time.perf_counter() - t0)
             iters = cfg.get("iters") or int(min(max(math.ceil(cfg["target_s"] / max(first, 1e-6)), 3), 200))
-            cases[algo] = {"inp": inp, "out": out, "wrong": wrong, "iters": iters, "times": []}
+            cases[algo] = {"inp": inp, "out": out, "wrong": wrong, "iters": iters, "first": first, "times": []}
+        _same_calls(cases, cfg)
         # Trials interleave the algorithms, so drift in machine load hits all of them alike.
         for _ in range(trials):
             for algo, c in cases.items():

@@ -1,0 +1,24 @@
+"""``meshtrain bench comm``'s trial shape: every algorithm of a size makes the same number of calls."""
+
+from meshtrain.bench.comm import _same_calls
+
+
+def test_every_algorithm_of_a_size_makes_the_fastest_ones_count_of_calls():
+    cases = {"auto": {"iters": 44, "first": 0.0045}, "native": {"iters": 200, "first": 0.0006}}
+    _same_calls(cases, {"target_s": 0.2})
+    assert [c["iters"] for c in cases.values()] == [200, 200]
+
+
+def test_a_slow_algorithm_bounds_the_count_to_five_targets_of_its_own():
+    cases = {"ring": {"iters": 3, "first": 0.1}, "native": {"iters": 200, "first": 0.001}}
+    _same_calls(cases, {"target_s": 0.2})
+    assert [c["iters"] for c in cases.values()] == [10, 10]  # 5 x 0.2 s / 0.1 s
+    cases = {"ring": {"iters": 3, "first": 2.0}, "native": {"iters": 200, "first": 0.001}}
+    _same_calls(cases, {"target_s": 0.2})
+    assert [c["iters"] for c in cases.values()] == [3, 3]  # never fewer than 3
+
+
+def test_a_count_given_on_the_command_line_is_kept():
+    cases = {"auto": {"iters": 1, "first": 0.01}, "native": {"iters": 1, "first": 0.001}}
+    _same_calls(cases, {"target_s": 0.2, "iters": 1})
+    assert [c["iters"] for c in cases.values()] == [1, 1]  # even below the floor of 3
