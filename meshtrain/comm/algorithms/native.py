@@ -174,7 +174,7 @@ def polled(work: dist.Work, nbytes: int = 0) -> bool:
 
 
 POLL_S = float(os.environ.get("MESHTRAIN_NATIVE_POLL_US", "200")) * 1e-6
-LOOK_MAX_BYTES = 1 << 20
+LOOK_MAX_BYTES = int(os.environ.get("MESHTRAIN_NATIVE_LOOK_MAX_BYTES", str(1 << 20)))
 _crowded = [False]  # this host runs more ranks than this process may use cores (``crowded``)
 
 
