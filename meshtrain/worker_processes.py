@@ -4,8 +4,8 @@ milliseconds: forked from one server process that imported torch once.
 multiprocessing's ``spawn`` starts each process as a new interpreter, which imports torch again:
 1.3 s of CPU each, about 3 s for four ranks on 2 cores, before any rank runs. The ``forkserver``
 context instead forks each process from a server that preloaded torch (``PRELOAD``): four ranks
-start in about 30 ms once the server is up (torch's own DataLoader workers are forked the same
-way). The server forks before anything runs in it, so no thread or OpenMP pool is copied.
+start in about 30 ms once the server is up. Torch is made to be forked after its import (its
+DataLoader's workers are), and the server runs nothing but that import before it forks.
 
 A forked process inherits the *server's* environment, not the caller's as under spawn. ``start``
 therefore carries the caller's ``os.environ`` along and installs it before the target is even

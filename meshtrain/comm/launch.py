@@ -105,8 +105,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
     """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return results in rank order.
 
     The ranks are forked from a server that imported torch once (``worker_processes``), under
-    this process's environment at the call. ``fn`` must be importable (a module-level function). ``timeout`` bounds the whole run;
-    ``comm_timeout`` bounds each collective inside it; ``transport`` is passed to ``init``
+    this process's environment at the call. ``fn`` must be importable (a module-level function).
+    ``timeout`` bounds the whole run; ``comm_timeout`` bounds each collective inside it; ``transport`` is passed to ``init``
     (torch, shm or auto); ``host_ids`` gives each rank a host id (``MESHTRAIN_HOST_ID``), so
     that ``auto`` treats groups of ranks as hosts (shm inside, gloo between) on one machine.
     """
