@@ -106,9 +106,10 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 
 
     The ranks are forked from a server that imported torch once (``worker_processes``), under
     this process's environment at the call. ``fn`` must be importable (a module-level function).
-    ``timeout`` bounds the whole run; ``comm_timeout`` bounds each collective inside it; ``transport`` is passed to ``init``
-    (torch, shm or auto); ``host_ids`` gives each rank a host id (``MESHTRAIN_HOST_ID``), so
-    that ``auto`` treats groups of ranks as hosts (shm inside, gloo between) on one machine.
+    ``timeout`` bounds the whole run; ``comm_timeout`` bounds each collective inside it;
+    ``transport`` is passed to ``init`` (torch, shm or auto); ``host_ids`` gives each rank a host
+    id (``MESHTRAIN_HOST_ID``), so that ``auto`` treats groups of ranks as hosts (shm inside, gloo
+    between) on one machine.
     """
     import torch.distributed as dist
 
