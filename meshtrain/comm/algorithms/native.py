@@ -116,8 +116,9 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
     cpu = _on_cpu(args[0])
     work = direct() if direct is not None and cpu else None
     guard = _local.guard
+    size = _nbytes(args[0]) if _crowded[0] else 0  # only a crowded host's waits look at it (polled)
     if guard is not None:
-        guard.wait(work if work is not None else fn(*args, async_op=True, **kw), _nbytes(args[0]))
+        guard.wait(work if work is not None else fn(*args, async_op=True, **kw), size)
     elif not cpu:  # NCCL's ops are ordered on the stream (the host does not wait)
         fn(*args, **kw)
     elif fn in NO_FUTURE:  # cannot be looked at: wait as torch does
@@ -126,7 +127,7 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
         else:
             fn(*args, **kw)
     else:
-        finish(work if work is not None else fn(*args, async_op=True, **kw), _nbytes(args[0]))
+        finish(work if work is not None else fn(*args, async_op=True, **kw), size)
 
 
 def _nbytes(t: torch.Tensor | list[torch.Tensor]) -> int:
