@@ -2,38 +2,33 @@
 
 A ``Mesh`` is an ordered list of named axes, slowest first, over a communicator's world: a rank's
 coordinate on each axis is its mixed-radix digit, so the last axis varies fastest (a tp group is a
-run of consecutive ranks: the same host on a real cluster). A *view* names a flattened run of axes
-(``dp`` = dp_replicate x dp_shard); its coordinate is the axes' digits read together. Every axis
-and view has a group; any new dimension (expert parallel next) joins by adding an axis and the
-views that flatten it, as torchtitan's ``ParallelDims`` does.
+run of consecutive ranks: the same host on a real cluster). A *view* names a set of axes read as
+one (``dp`` = dp_replicate x dp_shard); its coordinate is the axes' digits read together, slowest
+first. Every axis and view has a group.
 
-The training mesh ``Mesh(dp, pp, cp, tp, dp_replicate=1)`` has the axes
-(dp_replicate, dp_shard, pp, cp, tp) and the views dp, dp_cp (the gradient-averaging group) and
-dp_shard_cp (the ZeRO sharding group); with dp_replicate = 1,
-rank = ((dp * pp + pp_i) * cp + cp_i) * tp + tp_i.
+The training mesh ``Mesh(dp, pp, cp, tp, dp_replicate=1, ep=1)`` takes its axes and views from
+the dimensions' table, ``meshtrain.config.dims``: the axes (dp_replicate, dp_shard_mod_ep,
+dp_shard_in_ep, pp, cp, tp) and the views dp, dp_shard, dp_cp (dense gradients are averaged over
+it), dp_shard_cp (ZeRO's shards) and ep (the expert-parallel group, dp_shard_in_ep x cp). A layer
+that needs another set of axes (the experts' gradient group) adds it with ``add_views``.
+rank = ((dp * pp + pp_i) * cp + cp_i) * tp + tp_i, whatever ep is.
 """
 
 from __future__ import annotations
 
 import math
 from itertools import product
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from . import comm
 from .comm import Communicator, Group
-from .config.parallel import check_dp_replicate
+from .config.dims import AXES, DIMS, VIEWS, axis_sizes, check_degrees
 from .errors import ConfigError
 
-DIMS = ("dp", "pp", "cp", "tp")
-"""The four user-facing degrees of the training mesh (dp is the view dp_replicate x dp_shard)."""
-TRAINING_AXES = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
-"""The training mesh's axes, slowest first."""
-TRAINING_VIEWS: dict[str, tuple[str, ...]] = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-}
-"""Flattened axes of the training mesh: data parallel, gradient averaging, ZeRO sharding."""
+TRAINING_AXES = tuple(AXES)
+"""The training mesh's axes, slowest first (``meshtrain.config.dims.AXES``)."""
+TRAINING_VIEWS: dict[str, tuple[str, ...]] = dict(VIEWS)
+"""Named sets of the training mesh's axes (``meshtrain.config.dims.VIEWS``)."""
 
 
 class Coords:
@@ -69,42 +64,14 @@ class Coords:
         return "Coords(" + ", ".join(f"{k}={v}" for k, v in self._values.items()) + ")"
 
 
-def _suggest(world_size: int, degrees: dict[str, int]) -> str:
-    """A valid factorisation close to the given one: keep what divides, put the rest on dp."""
-    keep = {d: v for d, v in degrees.items() if d != "dp" and isinstance(v, int) and v > 0}
-    inner = 1
-    for d in ("tp", "cp", "pp"):
-        v = keep.get(d, 1)
-        if world_size % (inner * v) == 0:
-            inner *= v
-        else:
-            keep[d] = 1
-    keep["dp"] = world_size // inner
-    return ", ".join(f"{d}={keep.get(d, 1)}" for d in DIMS)
-
-
 def _positive_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def validate_degrees(world_size: int, dp: int, pp: int = 1, cp: int = 1, tp: int = 1,
-                     dp_replicate: int = 1) -> None:
+def validate_degrees(world_size: int, dp: int, pp: int = 1, cp: int = 1, tp: int = 1, **carved: int) -> None:
     """Raise ``ConfigError`` unless the degrees are positive integers whose product is ``world_size``
-    and ``dp_replicate`` divides ``dp``."""
-    degrees = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-    bad = [f"{d}={v!r}" for d, v in degrees.items() if not _positive_int(v)]
-    if bad:
-        raise ConfigError(
-            f"parallel degrees must be positive integers, got {', '.join(bad)}; "
-            f"for world size {world_size} use e.g. {_suggest(world_size, degrees)}"
-        )
-    prod = dp * pp * cp * tp
-    if prod != world_size:
-        raise ConfigError(
-            f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {prod} but the world size is {world_size}; the "
-            f"degrees must multiply to the number of ranks, e.g. {_suggest(world_size, degrees)}"
-        )
-    check_dp_replicate(dp, dp_replicate)
+    and each carved degree (``dp_replicate``, ``ep``) divides what it is carved from."""
+    check_degrees({"dp": dp, "pp": pp, "cp": cp, "tp": tp, **carved}, world_size)
 
 
 class Mesh:
@@ -119,11 +86,12 @@ class Mesh:
     """
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1,
-                 communicator: Communicator | None = None, *, dp_replicate: int = 1) -> None:
+                 communicator: Communicator | None = None, **carved: int) -> None:
         c = communicator or comm.current()
-        validate_degrees(c.world_size, dp, pp, cp, tp, dp_replicate)
-        sizes = dict(zip(TRAINING_AXES, (dp_replicate, dp // dp_replicate, pp, cp, tp)))
-        self._setup(c, sizes, TRAINING_VIEWS, DIMS)
+        degrees = check_degrees({"dp": dp, "pp": pp, "cp": cp, "tp": tp, **carved}, c.world_size)
+        self.degrees: dict[str, int] = degrees
+        """The degrees the training mesh was built from (every one of ``config.dims.DEGREES``)."""
+        self._setup(c, axis_sizes(degrees), TRAINING_VIEWS, DIMS)
 
     @classmethod
     def of(cls, axes: Mapping[str, int], views: Mapping[str, Sequence[str]] | None = None,
@@ -138,10 +106,11 @@ class Mesh:
         order = list(axes)
         for name, run in (views or {}).items():
             idx = [order.index(a) if a in order else -1 for a in run]
-            if name in axes or not run or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
-                raise ConfigError(f"view {name!r} = {tuple(run)} must be a new name for a run of adjacent "
-                                  f"mesh axes, slowest first, out of {order}")
+            if name in axes or not run or -1 in idx or idx != sorted(set(idx)):
+                raise ConfigError(f"view {name!r} = {tuple(run)} must be a new name for mesh axes in mesh order, "
+                                  f"slowest first, out of {order}")
         mesh = cls.__new__(cls)
+        mesh.degrees = {}
         mesh._setup(c, dict(axes), {k: tuple(v) for k, v in (views or {}).items()}, tuple(axes))
         return mesh
 
@@ -151,18 +120,38 @@ class Mesh:
         self.world_size, self.rank = c.world_size, c.rank
         self.axes: dict[str, int] = sizes
         """Axis name -> size, slowest first."""
-        self.views: dict[str, tuple[str, ...]] = views
+        self.views: dict[str, tuple[str, ...]] = dict(views)
         """View name -> the axes it flattens."""
         self.dims = dims
         self.coords = self.coords_of(self.rank)
         self._groups: dict[str, Group] = {}
-        built: dict[tuple[str, ...], Group] = {}
+        self._built: dict[tuple[str, ...], Group] = {}
         # fastest axis first, then the views: the order every rank creates groups in
         for name, run in [(a, (a,)) for a in reversed(list(sizes))] + list(views.items()):
-            key = tuple(a for a in run if sizes[a] > 1)
-            if key not in built:
-                built[key] = self._build(run)
-            self._groups[name] = built[key]
+            self._group_for(name, run)
+
+    def _group_for(self, name: str, run: tuple[str, ...]) -> None:
+        key = tuple(a for a in run if self.axes[a] > 1)
+        if key not in self._built:
+            self._built[key] = self._build(run)
+        self._groups[name] = self._built[key]
+
+    def add_views(self, views: Mapping[str, Sequence[str]]) -> None:
+        """Add named sets of axes (each in mesh order) and their groups. Collective over the world:
+        every rank must add the same views in the same order (a view already there with the same
+        axes is kept)."""
+        order = list(self.axes)
+        for name, run in views.items():
+            run = tuple(run)
+            idx = [order.index(a) if a in order else -1 for a in run]
+            if name in self.axes or not run or -1 in idx or idx != sorted(set(idx)) \
+                    or self.views.get(name, run) != run:
+                raise ConfigError(f"view {name!r} = {run} must be a new name for mesh axes in mesh order, "
+                                  f"slowest first, out of {order}")
+            if name not in self.views:
+                self.views[name] = run
+                self._group_for(name, run)
+        self.coords = self.coords_of(self.rank)
 
     # -- sizes and coordinates ---------------------------------------------------------------------
 
@@ -170,12 +159,24 @@ class Mesh:
         """The number of ranks along an axis or view."""
         return math.prod(self.axes[a] for a in self._run(name))
 
+    def axes_of(self, names: Iterable[str]) -> frozenset[str]:
+        """The axes the given axes and views are made of."""
+        return frozenset(a for n in names for a in self._run(n))
+
     def _run(self, name: str) -> tuple[str, ...]:
         if name in self.axes:
             return (name,)
         if name in self.views:
             return self.views[name]
         raise ValueError(f"unknown mesh axis {name!r}: use one of {sorted(self._groups)}")
+
+    def name_of(self, axes: Sequence[str]) -> str:
+        """The name of the axis or view made of exactly ``axes`` (in mesh order); ValueError if none."""
+        run = tuple(a for a in self.axes if a in set(axes))
+        for name in list(self.axes) + list(self.views):
+            if self._run(name) == run:
+                return name
+        raise ValueError(f"no mesh axis or view is {run}; add it with Mesh.add_views")
 
     @property
     def shape(self) -> dict[str, int]:
@@ -236,8 +237,8 @@ class Mesh:
         return mine
 
     def group(self, name: str) -> Group:
-        """This rank's group along an axis or view (training mesh: 'dp_replicate', 'dp_shard',
-        'pp', 'cp', 'tp', 'dp', 'dp_cp', 'dp_shard_cp')."""
+        """This rank's group along an axis or view (training mesh: its axes, and 'dp', 'dp_shard',
+        'dp_cp', 'dp_shard_cp', 'ep', plus any ``add_views`` added)."""
         if name not in self._groups:
             raise ValueError(f"unknown mesh axis {name!r}: use one of {sorted(self._groups)}")
         return self._groups[name]
@@ -268,6 +269,11 @@ class Mesh:
     def tp(self) -> int:
         """Tensor-parallel degree."""
         return self.size("tp")
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree (carved out of dp_shard x cp)."""
+        return self.size("ep") if "ep" in self.views or "ep" in self.axes else 1
 
     @property
     def dp_group(self) -> Group:

@@ -93,18 +93,19 @@ def test_dp_as_replicas_times_shards():
     """dp4 = 2 replicas x 2 shards over 8 ranks with tp2: every axis and view groups exactly the
     ranks that differ along its axes, dp's coordinate reads replica and shard together, and a
     collective over each group sums exactly its ranks."""
-    views = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-             "dp_shard_cp": ("dp_shard", "cp")}
+    shard = ("dp_shard_mod_ep", "dp_shard_in_ep")  # dp_shard, cut where an expert group would end
+    views = {"dp_shard": shard, "dp": ("dp_replicate", *shard), "dp_cp": ("dp_replicate", *shard, "cp"),
+             "dp_shard_cp": (*shard, "cp")}
 
     def fn(rank):
         mesh = Mesh(dp=4, tp=2, dp_replicate=2)
         c = mesh.coords
-        assert mesh.axes == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "cp": 1, "tp": 2}
-        assert mesh.shape == {"dp": 4, "pp": 1, "cp": 1, "tp": 2}
+        assert mesh.axes == {"dp_replicate": 2, "dp_shard_mod_ep": 2, "dp_shard_in_ep": 1, "pp": 1, "cp": 1, "tp": 2}
+        assert mesh.shape == {"dp": 4, "pp": 1, "cp": 1, "tp": 2, "ep": 1}
         assert c.dp == c.dp_replicate * 2 + c.dp_shard and rank == c.dp * 2 + c.tp
         assert mesh.rank_of(dp=c.dp, tp=c.tp) == mesh.rank_of(dp_replicate=c.dp_replicate,
                                                               dp_shard=c.dp_shard, tp=c.tp) == rank
-        for name in ("dp_replicate", "dp_shard", "tp", *views):
+        for name in ("dp_replicate", "tp", *views):
             axes = views.get(name, (name,))
             g = mesh.group(name)
             assert sorted(g.ranks) == _expected_ranks(mesh, rank, axes), name
@@ -151,8 +152,8 @@ def test_any_named_axes_and_views():
 @pytest.mark.parametrize("axes, views, fragment", [
     ({"a": 2, "b": 3}, {}, "hold 6 ranks but the world size is 4"),
     ({"a": 0, "b": 4}, {}, "positive integers"),
-    ({"a": 2, "b": 2}, {"ab": ("b", "a")}, "run of adjacent mesh axes"),
-    ({"a": 2, "b": 2}, {"x": ("a", "c")}, "run of adjacent mesh axes"),
+    ({"a": 2, "b": 2}, {"ab": ("b", "a")}, "mesh axes in mesh order"),
+    ({"a": 2, "b": 2}, {"x": ("a", "c")}, "mesh axes in mesh order"),
 ])
 def test_bad_axes_or_views_are_named(axes, views, fragment):
     def fn(rank):
@@ -166,3 +167,38 @@ def test_bad_axes_or_views_are_named(axes, views, fragment):
 def test_dp_replicate_must_divide_dp():
     with pytest.raises(ConfigError, match=r"dp_replicate = 3 must be a positive integer that divides dp = 4.*\[1, 2, 4\]"):
         validate_degrees(4, 4, dp_replicate=3)
+
+
+def test_expert_parallel_axis_is_carved_from_dp_shard_and_cp():
+    """ep = 4 out of dp4 x cp2 on 8 ranks: the ranks keep their numbers; an ep group holds two dp
+    shards and both cp ranks (torchtitan's layout); the experts' data-parallel view is the rest of
+    dp; add_views makes a group of any set of axes in mesh order."""
+    def fn(rank):
+        mesh = Mesh(dp=4, cp=2, ep=4)
+        c = mesh.coords
+        assert rank == c.dp * 2 + c.cp  # as without ep
+        assert mesh.axes["dp_shard_in_ep"] == 2 and mesh.axes["dp_shard_mod_ep"] == 2 and mesh.ep == 4
+        mesh.add_views({"edp": ("dp_replicate", "dp_shard_mod_ep"), "edp_tp": ("dp_replicate", "dp_shard_mod_ep", "tp")})
+        for name in ("ep", "edp", "edp_tp", "dp_cp"):
+            g = mesh.group(name)
+            axes = mesh.views[name]
+            assert sorted(g.ranks) == _expected_ranks(mesh, rank, axes), name
+            t = torch.tensor([float(rank)])
+            comm.all_reduce(t, group=g)
+            assert t.item() == sum(_expected_ranks(mesh, rank, axes))
+        assert mesh.group("edp") is mesh.group("edp_tp")  # tp = 1: the same ranks, one group
+        assert mesh.size("ep") * mesh.size("edp") == mesh.size("dp_cp")
+        return sorted(mesh.group("ep").ranks)
+
+    groups = comm.run_local(8, fn, timeout=30)
+    assert groups[0] == [0, 1, 2, 3] and groups[7] == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("degrees, fragment", [
+    ({"dp": 4, "ep": 3}, r"ep = 3 must divide dp_shard = 4 x cp = 1 \(= 4\).*\[1, 2, 4\]"),
+    ({"dp": 1, "cp": 4, "ep": 2}, r"ep = 2 must divide .*multiple of cp = 4.*\[1, 4\]"),
+    ({"dp": 4, "dp_replicate": 2, "ep": 4}, r"ep = 4 must divide dp_shard = 2 x cp = 1"),
+])
+def test_bad_expert_degree_is_named_with_the_choices(degrees, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        validate_degrees(4, **degrees)

@@ -18,7 +18,8 @@ import typing
 
 from ..errors import ConfigError
 from .model import PRESETS, LlamaConfig
-from .parallel import ParallelConfig, check_dp_replicate, check_parallel_values, check_tensor_parallel
+from .dims import check_degrees, degrees_of
+from .parallel import ParallelConfig, check_expert_parallel, check_parallel_values, check_tensor_parallel
 from .schema import BACKENDS, DEVICES, FROM_TRAIN, TRANSPORTS, Config, unknown
 
 
@@ -116,9 +117,7 @@ def validate(config: Config) -> None:
     from ..parallel.pipeline.schedule import build_schedule  # torch-free; the schedules' own rules
 
     p, t, d, c = config.parallel, config.train, config.data, config.comm
-    for k in ("dp", "tp", "pp", "cp"):
-        _need(getattr(p, k) >= 1, f"parallel.{k} = {getattr(p, k)} must be >= 1 (1 turns the dimension off)")
-    check_dp_replicate(p.dp, p.dp_replicate, "parallel.dp_replicate")
+    check_degrees(degrees_of(p), key=lambda n: f"parallel.{n}")
     pcfg = parallel_config(config)
     try:
         build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
@@ -174,4 +173,5 @@ def validate(config: Config) -> None:
           "one stage; set model.tie_embeddings = false or parallel.pp = 1")
     if p.tp > 1:
         check_tensor_parallel(mc, p.tp)
+    check_expert_parallel(mc, p.ep, p.tp, t.seq_len // p.cp, "parallel.ep")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import ConfigError
+from .dims import check_dp_replicate  # noqa: F401 (moved to the dimensions' table; re-exported)
 
 if TYPE_CHECKING:
     from .model import LlamaConfig
@@ -89,14 +90,24 @@ def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
                               f"evenly over the tp ranks; use tp in {ok} or change model.{what}")
 
 
-def check_dp_replicate(dp: int, dp_replicate: object, key: str = "dp_replicate") -> None:
-    """Raise ``ConfigError`` unless ``dp_replicate`` is a positive integer dividing ``dp``
-    (dp = dp_replicate x dp_shard: replicas of ZeRO's shards, HSDP)."""
-    if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
-        ok = [d for d in range(1, dp + 1) if dp % d == 0]
-        raise ConfigError(f"{key} = {dp_replicate!r} must be a positive integer that divides dp = {dp} "
-                          f"(dp = dp_replicate x dp_shard); use one of {ok}")
+def check_expert_parallel(cfg: LlamaConfig, ep: int, tp: int = 1, seq_len: int | None = None,
+                          key: str = "ep") -> None:
+    """Raise ``ConfigError`` unless expert parallelism fits the model: ep > 1 needs a
+    mixture-of-experts model whose expert count ep divides; with tp > 1 each tp rank routes its
+    slice of the sequence, so the (per-cp-rank) ``seq_len`` must divide by tp."""
+    n = getattr(cfg, "n_experts", 0)
+    if ep > 1 and n == 0:
+        raise ConfigError(f"{key} = {ep} needs a mixture-of-experts model (model.n_experts > 0, e.g. "
+                          f"model.preset = 'moe-test'); use {key} = 1 for a dense model")
+    if n and n % ep:
+        ok = [d for d in range(1, n + 1) if n % d == 0]
+        raise ConfigError(f"{key} = {ep} does not divide model.n_experts = {n}: each expert-parallel rank holds "
+                          f"n_experts / ep experts; use {key} in {ok} or change model.n_experts")
+    if n and tp > 1 and seq_len is not None and seq_len % tp:
+        raise ConfigError(f"a mixture-of-experts layer with tp = {tp} routes a 1/tp slice of each sequence on every "
+                          f"tp rank, but the sequence ({seq_len} tokens per cp rank) does not divide by {tp}; use a "
+                          f"sequence length that is a multiple of cp x tp")
 
 
-__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_dp_replicate", "check_parallel_values",
-           "check_tensor_parallel"]
+__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_dp_replicate", "check_expert_parallel",
+           "check_parallel_values", "check_tensor_parallel"]

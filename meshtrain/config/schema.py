@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from ..errors import ConfigError
+from .dims import DEGREES, Degree, degrees_of, world_size_of
 from .model import PRESETS, LlamaConfig
 from .parallel import PRECISIONS, ParallelConfig
 
@@ -103,10 +104,28 @@ FROM_TRAIN = ("precision", "compile")
 not from the ``[parallel]`` keys of the same names that ``ParallelSection`` inherits."""
 
 
+def degree_fields(degrees: tuple[Degree, ...]) -> Callable[[type], type]:
+    """A class decorator (put it under ``@dataclass``) adding one ``int`` field per degree of the
+    dimensions' table (``config.dims.DEGREES``), before the class's own fields, with the degree's
+    default and doc: a new mesh dimension is a config key at once."""
+    def add(cls: type) -> type:
+        own = dict(cls.__dict__["__annotations__"])
+        annotations = cls.__dict__["__annotations__"]
+        annotations.clear()
+        for d in degrees:
+            annotations[d.name] = int
+            setattr(cls, d.name, field(default=d.default, metadata={DOC: d.doc}))
+        annotations.update(own)
+        return cls
+    return add
+
+
 @dataclass
+@degree_fields(DEGREES)
 class ParallelSection(ParallelConfig):
-    """The layout: the degrees of the (dp, pp, cp, tp) mesh, plus every field of ``ParallelConfig``
-    (inherited with its docs, so the two cannot drift apart)."""
+    """The layout: one degree per mesh dimension (``config.dims.DEGREES``: dp, dp_replicate, tp, pp,
+    cp, ep), plus every field of ``ParallelConfig`` (inherited with its docs, so the two cannot
+    drift apart)."""
 
     # appended to the inherited docs in --print-config: these two keys exist only because every
     # ParallelConfig field is inherited; printed files set them, so they must keep loading
@@ -114,18 +133,6 @@ class ParallelSection(ParallelConfig):
         name: f"Not read by a run, which takes it from train.{name}; kept so that files setting it still load."
         for name in FROM_TRAIN}
 
-    dp: int = 2
-    """Data-parallel degree (replicas, or ZeRO shards)."""
-    dp_replicate: int = 1
-    """Of dp, how many replicas of ZeRO's shards (HSDP): ZeRO shards over dp / dp_replicate (x cp)
-    and averages each shard's gradient over the replicas; must divide dp. Without ZeRO every dp
-    rank is a replica anyway."""
-    tp: int = 2
-    """Tensor-parallel degree (heads, MLP width and vocabulary split over tp ranks)."""
-    pp: int = 1
-    """Pipeline-parallel degree (stages)."""
-    cp: int = 1
-    """Context-parallel degree (ring attention over sequence chunks)."""
     auto: bool = False
     """Let the planner choose the layout: the one ``meshtrain plan --search`` ranks first for this model,
     batch and machine (this-host on the CPU, the GPU's preset on CUDA), for as many ranks as
@@ -134,8 +141,8 @@ class ParallelSection(ParallelConfig):
 
     @property
     def world_size(self) -> int:
-        """Number of processes the layout needs: dp * tp * pp * cp."""
-        return self.dp * self.tp * self.pp * self.cp
+        """Number of processes the layout needs: dp * tp * pp * cp (``config.dims.world_size_of``)."""
+        return world_size_of(degrees_of(self))
 
 
 @dataclass
@@ -281,7 +288,9 @@ def all_keys() -> list[str]:
 def unknown(key: str, candidates: Iterable[str], what: str = "config key") -> ConfigError:
     """The error for a name that is not one of ``candidates``: the closest one, or all of them."""
     candidates = list(candidates)
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    # a key that begins a candidate ("parallel.zero" of "parallel.zero_stage") is that one, before
+    # any spelling neighbour ("parallel.ep")
+    close = [c for c in candidates if c.startswith(key)][:1] or difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close and "." not in key:  # a bare key: look for it in every section
         close = [c for c in candidates if c.endswith("." + key)][:1]
     hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(candidates)}"

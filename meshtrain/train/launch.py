@@ -7,7 +7,6 @@ same workers run through ``python -m meshtrain.train`` with the environment torc
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import shutil
@@ -26,8 +25,7 @@ from .config import Config, from_dict, resolve_out, to_dict, validate
 
 def world_size(config: Config) -> int:
     """The number of ranks the layout needs."""
-    p = config.parallel
-    return math.prod((p.dp, p.pp, p.cp, p.tp))
+    return config.parallel.world_size
 
 
 def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]:

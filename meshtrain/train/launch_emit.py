@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..config.dims import DEGREES
 from ..errors import ConfigError, MeshtrainError
 
 EMITTERS = ("slurm", "k8s")
@@ -78,15 +79,22 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def layout_name(p: Any, skip_ones: bool = False) -> str:
+    """"dp=2 x pp=1 x ... x ep=1": every degree of the dimensions' table (``skip_ones``: those > 1)."""
+    named = [f"{d.name}={getattr(p, d.name)}" for d in DEGREES if not skip_ones or getattr(p, d.name) > 1]
+    return " x ".join(named) or "dp=1"
+
+
 def _world_error(path: str, p: Any, nodes: int, gpus: int) -> ConfigError:
-    world, have, rest = p.world_size, nodes * gpus, p.pp * p.cp * p.tp
+    world, have = p.world_size, nodes * gpus
+    rest = world // p.dp  # the ranks of one data-parallel replica (every world degree but dp)
     fixes = [f"set parallel.dp = {have // rest} in the config"] if have % rest == 0 else []
     if world % gpus == 0:
         fixes.append(f"use --nodes {world // gpus}")
     elif world % nodes == 0:
         fixes.append(f"use --gpus-per-node {world // nodes}")
     fixes = fixes or [f"choose --nodes and --gpus-per-node whose product is {world}"]
-    return ConfigError(f"{path}: the layout dp={p.dp} x pp={p.pp} x cp={p.cp} x tp={p.tp} needs {world} ranks, "
+    return ConfigError(f"{path}: the layout {layout_name(p)} needs {world} ranks, "
                        f"but --nodes {nodes} x --gpus-per-node {gpus} gives {have} GPUs; {' or '.join(fixes)}")
 
 
@@ -135,7 +143,7 @@ def build_job(args: argparse.Namespace) -> Job:
     if args.pvc:
         _need(run_dir.startswith(RUNS_DIR + "/"), f"--run-dir {run_dir!r} is outside {RUNS_DIR}, where --pvc "
               f"mounts its claim; use --run-dir {RUNS_DIR}/{name}")
-    layout = " x ".join(f"{k}={getattr(p, k)}" for k in ("dp", "pp", "cp", "tp") if getattr(p, k) > 1) or "dp=1"
+    layout = layout_name(p, skip_ones=True)
     job = Job(args.emit, name, args.nodes, args.gpus_per_node, args.cpus_per_gpu,
               str(Path(args.config).resolve()), text, layout, run_dir, args.port, args.image or "meshtrain:latest",
               args.partition, args.time, args.pvc)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..config.dims import degrees_of
 from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, num_params
@@ -87,7 +88,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     device = resolve_device(t.device)
     _, tokenizer, tokens = prepare_data(config.data)
     cfg = model_config(config, tokenizer.vocab_size)
-    mesh = Mesh(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, dp_replicate=p.dp_replicate)
+    mesh = Mesh(**degrees_of(p))
     model = ParallelModel(cfg, mesh, parallel_config(config), seed=t.seed, device=device)
     # fused AdamW on a GPU: one kernel, and its step counts stay on the device (no host reads)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -158,7 +159,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         if logger is not None:
             logger.close()
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "world_size": mesh.world_size,
-               "layout": {"dp": p.dp, "pp": p.pp, "cp": p.cp, "tp": p.tp, "dp_replicate": p.dp_replicate}, "seconds": time.perf_counter() - start,
+               "layout": degrees_of(p), "seconds": time.perf_counter() - start,
                "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
     if logger is not None and logger.history:
         hist = logger.history

@@ -163,7 +163,7 @@ def test_each_tensor_written_once_latest_and_keep(zero, tmp_path):
     assert set(meta["optimizer"]["scalars"]) == set(full)
     assert meta["optimizer"]["scalars"]["norm.weight"]["step"]["__tensor__"] == [3.0]
     assert meta["optimizer"]["param_groups"][0]["lr"] == LR
-    assert meta["layout"] == {"dp": 2, "pp": 1, "cp": 1, "tp": 2} and meta["parallel"]["zero_stage"] == zero
+    assert meta["layout"] == {"dp": 2, "pp": 1, "cp": 1, "tp": 2, "ep": 1} and meta["parallel"]["zero_stage"] == zero
 
 
 # -- (3) errors ------------------------------------------------------------------------------------

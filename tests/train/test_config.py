@@ -136,7 +136,9 @@ def test_missing_and_invalid_files(tmp_path):
     (["--parallel.pp=2"], "fewer micro-batches (m=1) than pipeline stages (pp=2)"),
     (["--parallel.zero_stage=4"], "parallel.zero_stage = 4: use 0"),
     (["--parallel.tp=3"], "model.n_heads = 8 is not divisible by tp = 3"),
-    (["--parallel.dp=0"], "parallel.dp = 0 must be >= 1"),
+    (["--parallel.dp=0"], "positive integers, got parallel.dp = 0 (1 turns a dimension off)"),
+    (["--parallel.ep=3"], "parallel.ep = 3 must divide dp_shard = 2 x cp = 1 (= 2)"),
+    (["--parallel.ep=2"], "parallel.ep = 2 needs a mixture-of-experts model"),
     (["--parallel.dp_replicate=3"], "parallel.dp_replicate = 3 must be a positive integer that divides dp = 2 "
                                     "(dp = dp_replicate x dp_shard); use one of [1, 2]"),
     (["--train.seq_len=1024"], "train.seq_len = 1024 is longer than model.max_seq_len = 512"),
@@ -212,7 +214,7 @@ def test_config_modules_import_each_other_one_way():
     import meshtrain.config as pkg
     from meshtrain.train import config_check
 
-    order = ["model", "parallel", "schema", "check", "loading"]
+    order = ["model", "dims", "parallel", "schema", "check", "loading"]
     for i, name in enumerate(order):
         tree = ast.parse((Path(pkg.__file__).parent / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
