@@ -1,7 +1,8 @@
 """A Llama-style decoder that knows nothing about parallelism.
 
 Token embedding, RMSNorm, rotary position embeddings, grouped-query attention through
-``scaled_dot_product_attention``, SwiGLU MLP, and an untied or tied output head. Sizes come from
+``scaled_dot_product_attention``, SwiGLU MLP (or, in the layers ``LlamaConfig.is_moe_layer`` names,
+the mixture-of-experts layer of ``moe.py``), and an untied or tied output head. Sizes come from
 ``LlamaConfig``, with named presets in ``PRESETS``.
 
 Parallelism is applied from outside (``meshtrain.parallel.parallelize``), which needs three things
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..config.model import PRESETS, LlamaConfig  # noqa: F401 (moved; re-exported)
 from ..placement import placement_of
+from .moe import MoE, moe_layers
 
 
 class RMSNorm(nn.Module):
@@ -88,13 +90,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x), of width ``hidden`` (default ``cfg.ffn_dim``;
+    the MoE layer's shared experts are one of these)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        hidden = cfg.ffn_dim if hidden is None else hidden
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim)."""
@@ -102,14 +106,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)); ``mlp`` is the MoE layer
+    where ``cfg.is_moe_layer(layer)``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, dim)."""
@@ -128,7 +133,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -154,10 +159,11 @@ class Llama(nn.Module):
 
 def param_std(name: str, cfg: LlamaConfig) -> float | None:
     """The init std of a parameter by its full-model name (None: a norm scale, set to one).
-    Output projections are scaled by 1/sqrt(2L) as in GPT-2."""
+    Output projections (attention's wo; w2 of the dense MLP, the shared experts and the routed
+    experts, whose stacked weight has no ".weight") are scaled by 1/sqrt(2L) as in GPT-2."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         return 0.02 / (2 * cfg.n_layers) ** 0.5
     return 0.02
 
@@ -175,13 +181,28 @@ def full_value(name: str, shape: torch.Size | tuple[int, ...], cfg: LlamaConfig,
 def init_weights(model: Llama, seed: int = 0) -> None:
     """Initialise every parameter from ``full_value(name)``. A parameter split over the mesh
     carries a ``placement`` (``meshtrain.placement``: its global shape and this rank's box) and
-    receives its slice of the global value."""
+    receives its slice of the global value. Buffers are not initialised by name; the one that is
+    state, each MoE layer's ``expert_bias``, is set to its starting zero (after ``to_empty`` it
+    would hold whatever the memory held)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             placement = placement_of(p)
             p.copy_(placement.local(full_value(name, placement.global_shape, model.cfg, seed)))
+        for _, layer in moe_layers(model):
+            layer.router.expert_bias.zero_()
 
 
 def num_params(model: nn.Module) -> int:
     """Number of distinct parameters' elements."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def active_params(cfg: LlamaConfig) -> int:
+    """Parameters one token uses: every dense parameter (the input embedding included, as
+    ``num_params`` counts it), and per MoE layer the router, the shared experts and ``moe_top_k``
+    of the routed experts. Counted on a meta-device model, so any size is free."""
+    with torch.device("meta"):
+        total = num_params(Llama(cfg))
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    unused = cfg.n_experts - cfg.moe_top_k if cfg.n_experts else 0
+    return total - moe * unused * 3 * cfg.dim * cfg.expert_ffn_dim
