@@ -38,6 +38,11 @@ class Placement:
     global_shape: tuple[int, ...]
     splits: tuple[Split, ...] = ()
     """The axes the tensor is split over, outermost first (two splits of one dim nest)."""
+    reduce: str | None = None
+    """The mesh view whose ranks hold partial gradients of this parameter that add up to the
+    whole (what data parallelism reduces it over, and ZeRO shards it over): None for the wrapper's
+    default (dp x cp in training); a mixture-of-experts layer names its own, since its experts
+    see other tokens than the dense layers do."""
 
     @classmethod
     def replicated(cls, shape: tuple[int, ...] | torch.Size) -> "Placement":
@@ -76,11 +81,11 @@ class Placement:
 
     @classmethod
     def split(cls, local_shape: tuple[int, ...] | torch.Size, axis: str, dim: int, index: int,
-              parts: int) -> "Placement":
+              parts: int, reduce: str | None = None) -> "Placement":
         """A tensor of ``local_shape`` that is slice ``index`` of ``parts`` along ``dim`` over ``axis``."""
         full = list(local_shape)
         full[dim] *= parts
-        return cls(tuple(full), (Split(axis, dim, index, parts),) if parts > 1 else ())
+        return cls(tuple(full), (Split(axis, dim, index, parts),) if parts > 1 else (), reduce)
 
 
 def placement_of(p: torch.Tensor) -> Placement:
@@ -91,14 +96,23 @@ def placement_of(p: torch.Tensor) -> Placement:
 def attach_placements(model: nn.Module, axis: str = "tp") -> None:
     """Give every parameter of ``model`` a ``placement``: split along the dims the module that owns
     it declares (``module.shard_dims = {param_name: dim}``, its ``group`` naming index and parts,
-    over mesh ``axis``), replicated otherwise. Idempotent; call after any step (``to_empty``) that makes new parameter objects."""
-    for module in model.modules():
-        dims = getattr(module, "shard_dims", {})
-        group = getattr(module, "group", None)
-        for name, p in module.named_parameters(recurse=False):
-            if name in dims and group is not None:
-                p.placement = Placement.split(p.shape, axis, dims[name], group.rank, group.size)  # type: ignore[attr-defined]
+    over mesh axis ``module.shard_axis``, default ``axis``), replicated otherwise; its gradient
+    reduced over the view the nearest enclosing module names in ``grad_reduce`` (default None).
+    Idempotent; call after any step (``to_empty``) that makes new parameter objects."""
+    reduce_of: dict[str, str | None] = {}
+    owner: dict[int, tuple[str, nn.Module, str]] = {}
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0] if name else None
+        reduce_of[name] = getattr(module, "grad_reduce", None) or (reduce_of.get(parent) if parent is not None else None)
+        for pname, p in module.named_parameters(recurse=False):
+            # a parameter two modules share (tied embeddings) takes its split from the one that splits it
+            if id(p) not in owner or pname in getattr(module, "shard_dims", {}):
+                owner[id(p)] = (name, module, pname)
     for p in model.parameters():
-        if getattr(p, "placement", None) is None:
-            p.placement = Placement.replicated(p.shape)  # type: ignore[attr-defined]
-
+        name, module, pname = owner[id(p)]
+        dims, group = getattr(module, "shard_dims", {}), getattr(module, "group", None)
+        if pname in dims and group is not None:
+            p.placement = Placement.split(p.shape, getattr(module, "shard_axis", axis), dims[pname],  # type: ignore[attr-defined]
+                                          group.rank, group.size, reduce_of[name])
+        else:
+            p.placement = Placement(tuple(p.shape), (), reduce_of[name])  # type: ignore[attr-defined]

@@ -186,7 +186,7 @@ class _DispatchState(NamedTuple):
     """T * k."""
 
 
-class _GatherTokens(torch.autograd.Function):
+class GatherTokens(torch.autograd.Function):
     """Rows ``x[order // k]``, with a backward that sums each token's k gradients as a (T, k, dim)
     reduction: deterministic, where ``index_select``'s backward would add overlapping rows."""
 
@@ -202,7 +202,7 @@ class _GatherTokens(torch.autograd.Function):
         """Each assignment's gradient in its slot, summed over a token's k slots."""
         (order,) = ctx.saved_tensors
         full = grad.new_zeros(ctx.tokens * ctx.k, grad.shape[1]).index_copy_(0, order, grad)
-        return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None
+        return full.view(ctx.tokens, ctx.k, grad.shape[1]).sum(1), None, None
 
 
 class LocalDispatcher:
@@ -220,7 +220,7 @@ class LocalDispatcher:
         key = torch.where(flat >= 0, flat, self.n_experts)  # dropped assignments sort last
         counts = torch.bincount(key, minlength=self.n_experts + 1)[: self.n_experts].tolist()
         order = torch.sort(key, stable=True).indices[: sum(counts)]
-        return _GatherTokens.apply(x, order, k), counts, _DispatchState(order, t * k)
+        return GatherTokens.apply(x, order, k), counts, _DispatchState(order, t * k)
 
     def combine(self, y: Tensor, state: Any) -> Tensor:
         """y: (N, dim) in dispatch order -> (T * k, dim) in assignment order (row t * k + j is token
@@ -364,5 +364,5 @@ def finish_moe_step(model: nn.Module, reduce: Callable[[Tensor], Tensor] = ident
     return MoEStats(counts=counts, dropped=dropped, aux=aux, names=[name for name, _ in layers])
 
 
-__all__ = ["MoE", "MoEStepInfo", "MoEStats", "GroupedExperts", "LocalDispatcher", "moe_layers", "set_moe_step",
+__all__ = ["MoE", "MoEStepInfo", "MoEStats", "GroupedExperts", "GatherTokens", "LocalDispatcher", "moe_layers", "set_moe_step",
            "finish_moe_step", "identity", "in_backward"]

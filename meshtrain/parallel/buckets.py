@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +23,10 @@ class GradBucket:
     names: list[str]
     pending: int = 0
     ready: set[int] = field(default_factory=set)  # positions in ``params`` whose grad arrived
+    group: Any = None
+    """The group its gradients are averaged over (None: the wrapper's)."""
+    scale: float = 1.0
+    """What the average is multiplied by (``grad_groups.ReduceGroup.scale``)."""
 
     def view(self, i: int) -> torch.Tensor:
         """The slice of ``buffer`` that is ``params[i]``'s gradient, shaped like the parameter."""

@@ -7,9 +7,10 @@ single-process gradient of the global batch when every rank holds an equal share
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .. import comm
 from ..comm import Group
 from .buckets import GradBucket, build_buckets
+from .grad_groups import ReduceGroup, by_reduce_group
 
 CommHook = Callable[[GradBucket, Group], torch.Tensor]
 
@@ -82,11 +84,14 @@ class DataParallel(nn.Module):
       ``grad = None`` so the optimizer skips them, as in a single process.
     * ``comm_hook(bucket, group) -> averaged flat tensor`` replaces the all-reduce (see
       ``meshtrain.comm.compress`` for fp16/bf16, int8, top-k and PowerSGD).
+    * A parameter whose ``placement.reduce`` names a mesh view (a mixture-of-experts layer's) is
+      broadcast and reduced over ``reduce_groups[view]`` instead of ``group``, in buckets of its
+      own (``grad_groups``).
     """
 
     def __init__(self, module: nn.Module, group: Group | None = None, *, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 comm_hook: CommHook | None = None) -> None:
+                 comm_hook: CommHook | None = None, reduce_groups: Mapping[str, ReduceGroup] | None = None) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -95,11 +100,24 @@ class DataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.comm_hook: CommHook = comm_hook or allreduce_hook
-        broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets = build_buckets(list(reversed(named)), int(bucket_cap_mb * (1 << 20)),
-                                     first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)),
-                                     alloc=self._bucket_buffer)
+        parts = by_reduce_group(list(reversed(named)), ReduceGroup(self.group), reduce_groups)
+        self.buckets: list[GradBucket] = []
+        for rg, members in parts:  # every rank holds the same parameters of a group: broadcast within it
+            broadcast_tensors([p for _, p in members], rg.group)
+        broadcast_tensors([p for _, p in module.named_parameters() if not p.requires_grad] + list(module.buffers()),
+                          self.group)
+        position = {id(p): i for i, (_, p) in enumerate(reversed(named))}
+        for rg, members in parts:
+            for b in build_buckets(members, int(bucket_cap_mb * (1 << 20)),
+                                   first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)),
+                                   alloc=functools.partial(self._bucket_buffer, rg.group)):
+                b.group, b.scale = rg.group, rg.scale
+                self.buckets.append(b)
+        # launched in the order backward fills them, the same on every rank of a stage
+        self.buckets.sort(key=lambda b: position[id(b.params[0])])
+        for i, b in enumerate(self.buckets):
+            b.index = i
         self._where: dict[int, tuple[GradBucket, int]] = {}
         # The hook holds the wrapper weakly: a tensor's hooks are not seen by Python's collector,
         # so a bound method there kept every wrapper (its buckets and worker thread) alive forever.
@@ -137,12 +155,12 @@ class DataParallel(nn.Module):
         finally:
             self._sync = old
 
-    def _bucket_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _bucket_buffer(self, group: Group, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's memory: symmetric on CPU, so that on one host's shared memory the all-reduce
         reads the peers' buckets in place (no copy into staging buffers); plain elsewhere."""
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
-        return comm.symmetric_empty(numel, dtype, self.group)
+        return comm.symmetric_empty(numel, dtype, group)
 
     # -- backward machinery ---------------------------------------------------------------------
 
@@ -167,9 +185,11 @@ class DataParallel(nn.Module):
             self._next += 1
 
     def _reduce(self, b: GradBucket) -> None:
-        out = self.comm_hook(b, self.group)
+        out = self.comm_hook(b, b.group)
         if out is not b.buffer:
             b.buffer.copy_(out.view_as(b.buffer))
+        if b.scale != 1.0:
+            b.buffer.mul_(b.scale)
 
     def _finalize(self) -> None:
         """End of backward: handle parameters without gradients, wait for every bucket."""
@@ -183,27 +203,28 @@ class DataParallel(nn.Module):
                     f"no gradient in this backward, so their buckets cannot be reduced. Pass "
                     f"find_unused_parameters=True, or make every parameter take part in the loss."
                 )
-            used = torch.zeros(len(self._where))
             for b, i in missing:
                 p = b.params[i]
                 if p.grad is None:
                     b.view(i).zero_()  # contributes zero; stale values from an earlier step must not leak
                 b.ready.add(i)
             self._launch_ready()
+            # whether anyone used a parameter, asked of the ranks that hold it (its bucket's group)
+            used: dict[int, tuple[Group, list[GradBucket], torch.Tensor]] = {}
             if self.find_unused_parameters:
-                k = 0
                 for b in self.buckets:
-                    for p in b.params:
-                        used[k] = float(p.grad is not None)
-                        k += 1
-                self._futures.append(self._worker.submit(comm.all_reduce, used, "max", self.group))
+                    used.setdefault(id(b.group), (b.group, [], None))[1].append(b)  # type: ignore[arg-type]
+                for key, (g, bs, _) in list(used.items()):
+                    flags = torch.tensor([float(p.grad is not None) for b in bs for p in b.params])
+                    used[key] = (g, bs, flags)
+                    self._futures.append(self._worker.submit(comm.all_reduce, flags, "max", g))
             for f in self._futures:
                 f.result()
-            if self.find_unused_parameters:
+            for g, bs, flags in used.values():
                 k = 0
-                for b in self.buckets:
+                for b in bs:
                     for i, p in enumerate(b.params):
-                        p.grad = b.view(i) if used[k] > 0 else None
+                        p.grad = b.view(i) if flags[k] > 0 else None
                         k += 1
         finally:
             self._futures = []

@@ -23,9 +23,16 @@ class FlatUnit:
     """One shard-able block of parameters (see the module docstring)."""
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], group: Group,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, *,
+                 replicas: Group | None = None, scale: float = 1.0, view: str | None = None) -> None:
         self.index = index
         self.group = group
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        """HSDP: the ranks holding copies of this rank's shard; the shard gradient is averaged over them."""
+        self.scale = scale
+        """What the averaged gradient is multiplied by (``grad_groups.ReduceGroup.scale``)."""
+        self.view = view
+        """The mesh view of ``group`` (the axes along which ranks hold different shards), if known."""
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
@@ -160,6 +167,8 @@ class FlatUnit:
             if w._exc is not None:  # the error is raised by whoever waits
                 return
             g = result()
+            if self.scale != 1.0:
+                g.mul_(self.scale)
             if self.master.grad is None:
                 self.master.grad = g
             else:

@@ -19,10 +19,13 @@ from torch import nn
 from .. import comm
 from ..errors import ConfigError
 from ..mesh import Mesh
+from ..config.parallel import check_expert_parallel
 from ..models.llama import Llama, LlamaConfig
+from ..models.moe import MoEStats, MoEStepInfo, finish_moe_step, set_moe_step
 from ..placement import placement_of
 from .context import cp_positions, cp_shard
 from .data import DataParallel
+from .expert import add_expert_views
 from .parallelize import ZERO_VIEW, ParallelConfig, autocast_dtype, parallelize
 from .pipeline.engine import PipelineEngine, StepStats
 from .pipeline.partition import split_stages
@@ -49,6 +52,9 @@ class ParallelModel:
         self.schedule = build_schedule(pc.schedule, mesh.pp, pc.microbatches, v)
         check_schedule(self.schedule, mesh.pp, pc.microbatches, v)
         self.actions = self.schedule[mesh.coords.pp]
+        if cfg.n_experts:
+            check_expert_parallel(cfg, mesh.ep)
+            add_expert_views(mesh)  # collective: before any stage, on every rank
         with torch.device("meta"):
             full = Llama(cfg)
         ids = [c * mesh.pp + mesh.coords.pp for c in range(v)]
@@ -58,6 +64,9 @@ class ParallelModel:
                                      mesh.pp_group, self._loss, autocast_dtype(pc.precision))
         self._tokens_per_rank = 1
         self.last_stats: StepStats | None = None
+        self.moe_stats: MoEStats | None = None
+        """The last step's mixture-of-experts statistics of every layer of the model (the same on
+        every rank): tokens per expert, dropped tokens, auxiliary loss; None for a dense model."""
 
     # -- data ------------------------------------------------------------------------------------
 
@@ -94,14 +103,46 @@ class ParallelModel:
         tok, tgt, pos = self.local_batch(tokens, targets)
         self._tokens_per_rank = tgt.numel()
         m = self.config.microbatches
+        if self.cfg.n_experts:
+            info = MoEStepInfo(global_rows=tokens.shape[0], microbatches=m, shares=self.mesh.size("dp_cp"))
+            for stage in self.stages.values():
+                set_moe_step(unwrap(stage), info)
         loss, self.last_stats = self.engine.run(self.actions, list(tok.chunk(m)), list(tgt.chunk(m)),
                                                 {"positions": pos}, signature=(tuple(tokens.shape), m))
+        if self.cfg.n_experts:
+            self.moe_stats = self._finish_moe_step()
         if self.mesh.pp > 1:  # only the last stage has it
             comm.all_reduce(loss, group=self.mesh.pp_group)
         if self.mesh.dp_cp.size > 1:
             comm.all_reduce(loss, group=self.mesh.dp_cp)
             loss /= self.mesh.dp_cp.size
         return loss
+
+    def _finish_moe_step(self) -> MoEStats | None:
+        """After the step's backwards, before the optimizer: sum each layer's token counts (and
+        dropped tokens, auxiliary loss) over the ranks that saw other tokens, update the routing
+        bias from them, and gather every stage's layers into one table (the same on every rank)."""
+        mesh = self.mesh
+        summed = mesh.group("dp_cp_tp")
+
+        @torch.compiler.disable
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            comm.all_reduce(t, op="sum", group=summed)
+            return t
+
+        stages = nn.ModuleList([unwrap(m) for m in self.stages.values()])
+        local = finish_moe_step(stages, reduce)
+        e = self.cfg.n_experts
+        table = torch.zeros(self.cfg.n_layers, e + 2, dtype=torch.float64, device=self.engine.device)
+        if local is not None:
+            rows = [int(n.split("layers.")[1].split(".")[0]) for n in local.names]
+            table[rows] = torch.cat([local.counts, local.dropped[:, None], local.aux[:, None]], 1).to(table.device)
+        if mesh.pp > 1:
+            comm.all_reduce(table, op="sum", group=mesh.pp_group)
+        moe_rows = [i for i in range(self.cfg.n_layers) if self.cfg.is_moe_layer(i)]
+        table = table[moe_rows]
+        return MoEStats(counts=table[:, :e], dropped=table[:, e], aux=table[:, e + 1],
+                        names=[f"layers.{i}.mlp" for i in moe_rows])
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -128,12 +169,15 @@ class ParallelOptimizer:
             self.optimizers: list[Any] = [ZeroOptimizer(m, optimizer_cls, **kwargs) for m in model.stages.values()]
         else:
             self.optimizers = [optimizer_cls([p for _, p in model.named_parameters()], **kwargs)]
-        # the axes the global grad norm sums over (fixed once the model is built): pp, every axis a
-        # placement splits over, and ZeRO's view; from the stage's parameters, not this rank's
-        # pieces, so that every rank reduces over the same axes
-        split = {a for _, p in model.named_parameters() for a in placement_of(p).sharded_over}
-        axes = ["pp"] + sorted(split) + ([ZERO_VIEW] if model.config.zero_stage else [])
-        self._norm_axes = [a for a in axes if model.mesh.size(a) > 1]
+        # the mesh axes the global grad norm sums over, fixed once the model is built: every axis
+        # along which some piece of this stage differs (a placement's split, ZeRO's shards), from
+        # the stage's parameters, not this rank's pieces, so that every rank of a stage reduces
+        # over the same axes; pp last, once the stage's sum is whole
+        mesh = model.mesh
+        distinct = [placement_of(p).sharded_over for _, p in model.named_parameters()]
+        distinct += [{u.view or ZERO_VIEW} for o in self.optimizers if isinstance(o, ZeroOptimizer) for u in o.model.units]
+        used = mesh.axes_of(set().union(*distinct)) if distinct else frozenset()
+        self._norm_axes = [a for a in mesh.axes if a in used and a != "pp" and mesh.size(a) > 1]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -158,7 +202,7 @@ class ParallelOptimizer:
                 for p, off in zip(u.params, u.offsets):
                     a, b = max(off, u.lo), min(off + p.numel(), u.lo + u.shard_size)
                     if a < b:
-                        out.append((g[a - u.lo : b - u.lo], placement_of(p).sharded_over | {ZERO_VIEW}))
+                        out.append((g[a - u.lo : b - u.lo], placement_of(p).sharded_over | {u.view or ZERO_VIEW}))
         return out
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -168,9 +212,9 @@ class ParallelOptimizer:
         ``torch.nn.utils.clip_grad_norm_`` it never reads the norm on the host (no device sync):
         the scale is min(1, max_norm / norm) computed on the device. Collective over the mesh.
 
-        Squares are summed over the axes along which ranks hold different pieces (pp, and every
-        axis a placement splits over); a piece replicated along such an axis is weighted by
-        1 / its size there, so that every element counts once."""
+        Squares are summed over the mesh axes along which ranks hold different pieces (every axis a
+        placement or ZeRO splits over, then pp); a piece replicated along such an axis is weighted
+        by 1 / its size there, so that every element counts once."""
         mesh = self.model.mesh
         pieces = self._grad_pieces()
         device = pieces[0][0].device if pieces else self.model.engine.device
@@ -178,11 +222,12 @@ class ParallelOptimizer:
         sq = torch.zeros((), dtype=torch.float64, device=device)
         by_weight: dict[tuple[float, torch.dtype], list[torch.Tensor]] = {}
         for g, distinct in pieces:
-            w = 1.0 / math.prod(mesh.size(a) for a in axes if a not in distinct and a != "pp")
+            apart = mesh.axes_of(distinct)
+            w = 1.0 / math.prod(mesh.size(a) for a in axes if a not in apart)
             by_weight.setdefault((w, g.dtype), []).append(g)
         for (w, _), grads in by_weight.items():  # one foreach kernel per weight (as torch's clip), summed in float64
             sq += torch.stack(torch._foreach_norm(grads)).double().square().sum() * w
-        for axis in axes:
+        for axis in axes + (["pp"] if mesh.pp > 1 else []):
             comm.all_reduce(sq, group=mesh.group(axis))
         norm = sq.sqrt()
         if max_norm > 0 and pieces:

@@ -21,9 +21,11 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.llama import Llama, RMSNorm, init_weights
 from ..models.llama_plan import TP_PLAN, tie_weights
-from ..placement import attach_placements
+from ..placement import attach_placements, placement_of
 from .context import ring_attention
 from .data import DataParallel
+from .expert import apply_expert_parallel
+from .grad_groups import ReduceGroup
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .tensor_comm import CopyToTP
 from .precision import MixedPrecision
@@ -150,17 +152,42 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
         apply_tensor_parallel(model, mesh.tp_group, config.sequence_parallel)
     if mesh.cp > 1:
         apply_context_parallel(model, mesh.cp_group)
+    if model.cfg.n_experts:
+        apply_expert_parallel(model, mesh, config.sequence_parallel)
     apply_activation_checkpointing(model, config.activation_checkpointing, config.checkpoint_every)
     if config.compile:
         apply_compile(model)
     materialize(model, device, seed)
+    groups = reduce_groups(mesh, model, zero=bool(config.zero_stage))
     if config.zero_stage:
-        # bf16: the units gather and compute in bf16 (half the all-gather bytes), reduce in fp32
-        mp = MixedPrecision(param_dtype=autocast_dtype(config.precision)) if config.precision != "fp32" else None
+        # bf16: the units gather and compute in bf16 (half the all-gather bytes), reduce in fp32;
+        # buffers (the experts' routing bias) stay fp32
+        mp = MixedPrecision(param_dtype=autocast_dtype(config.precision), buffer_dtype=torch.float32) \
+            if config.precision != "fp32" else None
         # ZeRO shards over dp_shard x cp; with dp_replicate > 1 (HSDP) each shard is also averaged
         # over the replicas
         return ZeroModel(model, config.zero_stage, mesh.group(ZERO_VIEW), units=list(model.layers.values()),
-                         mixed_precision=mp, replicate_group=mesh.group("dp_replicate"))
-    if mesh.dp_cp.size > 1:
-        return DataParallel(model, mesh.dp_cp, bucket_cap_mb=config.bucket_cap_mb)
+                         mixed_precision=mp, replicate_group=mesh.group("dp_replicate"), view=ZERO_VIEW,
+                         reduce_groups=groups)
+    if mesh.dp_cp.size > 1 or groups:
+        # buffers are equal on every rank by construction (the routing bias is updated from
+        # all-reduced counts): no broadcast before each forward
+        return DataParallel(model, mesh.dp_cp, bucket_cap_mb=config.bucket_cap_mb, broadcast_buffers=False,
+                            reduce_groups=groups)
     return model
+
+
+def reduce_groups(mesh: Mesh, model: nn.Module, zero: bool) -> dict[str, ReduceGroup]:
+    """The groups of the views parameters' placements name for their gradients (``grad_groups``):
+    averaged over the view and scaled by its size over dp x cp; under ZeRO reduce-scattered over
+    the view without dp_replicate, whose ranks then hold replicas (HSDP)."""
+    out: dict[str, ReduceGroup] = {}
+    shares = mesh.size("dp_cp")
+    for view in sorted({placement_of(p).reduce for p in model.parameters()} - {None}):
+        scale = mesh.size(view) / shares
+        if zero:
+            shard = mesh.name_of([a for a in mesh.views[view] if a != "dp_replicate"])
+            out[view] = ReduceGroup(mesh.group(shard), scale, mesh.group("dp_replicate"), shard)
+        else:
+            out[view] = ReduceGroup(mesh.group(view), scale, None, view)
+    return out

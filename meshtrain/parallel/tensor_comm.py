@@ -85,29 +85,31 @@ class ReduceFromTP(torch.autograd.Function):
 
 
 class GatherFromTP(torch.autograd.Function):
-    """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
+    """Forward all-gather along ``dim`` (default the last); backward keeps this rank's slice of
+    the gradient (which every tp rank holds whole)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, -1, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split(g, -1, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _split(g, ctx.dim, ctx.group), None, None
 
 
 class ScatterToTP(torch.autograd.Function):
-    """Forward keeps this rank's slice along the last dim; backward all-gathers the gradient."""
+    """Forward keeps this rank's slice along ``dim`` (default the last); backward all-gathers the
+    gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _split(x, -1, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(g, -1, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(g, ctx.dim, ctx.group), None, None
 
 
 class GatherFromSP(torch.autograd.Function):

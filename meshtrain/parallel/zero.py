@@ -17,7 +17,7 @@ Gradient accumulation: call backward several times, then ``step``; the shard gra
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from torch import nn
 from .. import comm
 from ..comm import Group, Work
 from .flat_unit import FlatUnit
+from .grad_groups import ReduceGroup, by_reduce_group
 from .precision import MixedPrecision
 from .zero_state import (check_shapes, load_optimizer_shards, model_shard_state, optimizer_shard_state,
                          shard_from_pieces)
@@ -36,7 +37,8 @@ class ZeroModel(nn.Module):
 
     def __init__(self, module: nn.Module, stage: int, group: Group | None = None, *,
                  units: Iterable[nn.Module] | None = None, mixed_precision: MixedPrecision | None = None,
-                 prefetch: bool = True, replicate_group: Group | None = None) -> None:
+                 prefetch: bool = True, replicate_group: Group | None = None, view: str | None = None,
+                 reduce_groups: Mapping[str, ReduceGroup] | None = None) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
@@ -47,13 +49,22 @@ class ZeroModel(nn.Module):
         self.prefetch = prefetch
         from .data import broadcast_tensors
 
-        broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.group)
         # HSDP: replicas of the whole sharded model (torchtitan's dp_replicate); gradients are
         # averaged over them once a step, before anything reads them (``reduce_replicas``)
         self.replicate = replicate_group if replicate_group is not None and replicate_group.size > 1 else None
         self._replicas_pending = False
-        if self.replicate is not None:
-            broadcast_tensors(list(module.parameters()) + list(module.buffers()), self.replicate)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # a mixture-of-experts layer's parameters are sharded over their own group (``grad_groups``)
+        parts = by_reduce_group(named, ReduceGroup(self.group, 1.0, self.replicate, view), reduce_groups)
+        rg_of = {id(p): rg for rg, members in parts for _, p in members}
+        for rg, members in parts:  # every rank of a group (and its replicas) holds the same values
+            for g in (rg.group, rg.replicas):
+                if g is not None and g.size > 1:
+                    broadcast_tensors([p for _, p in members], g)
+        for g in (self.group, self.replicate):
+            if g is not None and g.size > 1:
+                broadcast_tensors([p for _, p in module.named_parameters() if not p.requires_grad]
+                                  + list(module.buffers()), g)
         self._buffer_dtypes = {n: b.dtype for n, b in module.named_buffers()}
         bdtype = self.mp.buffer_dtype or self.mp.param_dtype
         for b in module.buffers():
@@ -65,22 +76,28 @@ class ZeroModel(nn.Module):
         for b, m in enumerate(blocks):
             for p in m.parameters():
                 owner.setdefault(id(p), b)
-        per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
-        for name, p in module.named_parameters():
-            if p.requires_grad:
-                per_unit[owner.get(id(p), len(blocks))].append((name, p))
-        # unit 0 is the root (parameters outside every block), then the blocks in order
-        order = [len(blocks)] + list(range(len(blocks)))
-        order = [k for k in order if per_unit[k]]
-        self.units = [FlatUnit(i, per_unit[k], self.group, self.mp.param_dtype, self.mp.reduce_dtype)
-                      for i, k in enumerate(order)]
-        self._unit_of_module: dict[int, FlatUnit] = {}
-        self._root: FlatUnit | None = None
-        for u, k in zip(self.units, order):
-            if k < len(blocks):
-                self._unit_of_module[id(blocks[k])] = u
-            else:
-                self._root = u
+        # slot 0 holds the root (parameters outside every block), then one slot per block; a slot
+        # has one unit per reduce group its parameters name
+        per_slot: list[dict[int, list[tuple[str, nn.Parameter]]]] = [{} for _ in range(len(blocks) + 1)]
+        for name, p in named:
+            slot = owner[id(p)] + 1 if id(p) in owner else 0
+            per_slot[slot].setdefault(id(rg_of[id(p)]), []).append((name, p))
+        self.units: list[FlatUnit] = []
+        self._slots: list[list[FlatUnit]] = []
+        self._units_of_module: dict[int, list[FlatUnit]] = {}
+        for slot, by_group in enumerate(per_slot):
+            made = []
+            for members in by_group.values():
+                rg = rg_of[id(members[0][1])]
+                made.append(FlatUnit(len(self.units), members, rg.group, self.mp.param_dtype, self.mp.reduce_dtype,
+                                     replicas=rg.replicas, scale=rg.scale, view=rg.view))
+                made[-1].slot = len(self._slots)  # type: ignore[attr-defined]
+                self.units.append(made[-1])
+            if made:
+                self._slots.append(made)
+                if slot:
+                    self._units_of_module[id(blocks[slot - 1])] = made
+        self._root = self._slots[0] if per_slot[0] and self._slots else []
         self._where = {}
         for u in self.units:
             for i, p in enumerate(u.params):
@@ -94,18 +111,25 @@ class ZeroModel(nn.Module):
         self._outstanding = 0
         if stage == 3:
             for m in blocks:
-                if id(m) in self._unit_of_module:
+                if id(m) in self._units_of_module:
                     m.register_forward_pre_hook(self._pre_forward)
                     m.register_forward_hook(self._post_forward)
             for u in self.units:
                 u.free()
 
+    def _gather_slot(self, slot: int) -> None:
+        """Start gathering every unit of a slot (prefetch)."""
+        if self.prefetch and 0 <= slot < len(self._slots):
+            for u in self._slots[slot]:
+                u.gather(async_op=True)
+
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; for ZeRO-3 the root unit is gathered for the whole step."""
-        if self.stage == 3 and self._root is not None:
-            self._root.wait_gathered()
+        if self.stage == 3:
+            for u in self._root:
+                u.wait_gathered()
         if torch.is_grad_enabled():
             self._outstanding += 1
         if self.mp.param_dtype != torch.float32:
@@ -117,14 +141,16 @@ class ZeroModel(nn.Module):
         return out
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        u = self._unit_of_module[id(module)]
-        u.wait_gathered()
-        if self.prefetch and torch.is_grad_enabled() and u.index + 1 < len(self.units):
-            self.units[u.index + 1].gather(async_op=True)
+        units = self._units_of_module[id(module)]
+        for u in units:
+            u.wait_gathered()
+        if torch.is_grad_enabled():
+            self._gather_slot(units[0].slot + 1)  # type: ignore[attr-defined]
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        u = self._unit_of_module[id(module)]
-        u.free()
+        units = self._units_of_module[id(module)]
+        for u in units:
+            u.free()
         if torch.is_grad_enabled():
             fired = [False]
 
@@ -132,10 +158,9 @@ class ZeroModel(nn.Module):
                 if not fired[0]:
                     fired[0] = True
                     self._arm()
-                    u.wait_gathered()
-                    prev = u.index - 1
-                    if self.prefetch and prev >= 0:
-                        self.units[prev].gather(async_op=True)
+                    for u in units:
+                        u.wait_gathered()
+                    self._gather_slot(units[0].slot - 1)  # type: ignore[attr-defined]
                 return grad
 
             for t in _tensors(output):
@@ -167,7 +192,7 @@ class ZeroModel(nn.Module):
             if not v.complete():
                 break
             self._launched.add(v.index)
-            if self.stage == 3 and v is not self._root and self._outstanding <= 1:
+            if self.stage == 3 and v not in self._root and self._outstanding <= 1:
                 v.free()  # (with more backwards to come, the unit stays for them)
             self._works.append(v.reduce_scatter(keep_full=self.stage == 1))
 
@@ -184,7 +209,7 @@ class ZeroModel(nn.Module):
                 )
             for w in self._works:
                 w.wait()
-            self._replicas_pending = self.replicate is not None
+            self._replicas_pending = any(u.replicas is not None for u in self.units)
         finally:
             self._works = []
             self._launched.clear()
@@ -202,8 +227,8 @@ class ZeroModel(nn.Module):
             return
         self._replicas_pending = False
         for u in self.units:
-            if u.master.grad is not None:
-                comm.all_reduce(u.master.grad, op="avg", group=self.replicate)
+            if u.master.grad is not None and u.replicas is not None:
+                comm.all_reduce(u.master.grad, op="avg", group=u.replicas)
 
     def buffer_dtypes(self) -> dict[str, torch.dtype]:
         """Each buffer's dtype before mixed precision converted it (what a checkpoint stores)."""
@@ -214,7 +239,7 @@ class ZeroModel(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             flat = torch.empty(u.padded, dtype=torch.float32, device=u.master.device)
-            comm.all_gather_into_tensor(flat, u.master.detach(), group=self.group)
+            comm.all_gather_into_tensor(flat, u.master.detach(), group=u.group)
             for name, off, shape in zip(u.names, u.offsets, u.shapes):
                 out[name] = flat[off : off + shape.numel()].view(shape).clone()
         for name, b in self.module.named_buffers():
@@ -277,7 +302,12 @@ class ZeroOptimizer:
             u.master.grad = None
 
     def grad_norm(self) -> float:
-        """The L2 norm of the full gradient, from every rank's shards (padding is zero)."""
+        """The L2 norm of the full gradient, from every rank's shards (padding is zero). For a model
+        sharded over one group; a mixture of experts' (several groups) is normed by
+        ``ParallelOptimizer.clip_grad_norm_``, which knows the mesh."""
+        if len({id(u.group) for u in self.model.units}) > 1:
+            raise ValueError("ZeroOptimizer.grad_norm: the units are sharded over different groups (expert "
+                             "parallelism); use ParallelOptimizer.clip_grad_norm_, which sums over the mesh")
         self.model.reduce_replicas()
         sq = torch.zeros(1, dtype=torch.float64)
         for u in self.model.units:
@@ -318,7 +348,7 @@ class ZeroOptimizer:
             for key, val in sorted(st.items()):
                 if torch.is_tensor(val) and val.shape == u.master.shape:
                     flat = torch.empty(u.padded, dtype=val.dtype)
-                    comm.all_gather_into_tensor(flat, val.contiguous(), group=self.model.group)
+                    comm.all_gather_into_tensor(flat, val.contiguous(), group=u.group)
                     for name, off, shape in zip(u.names, u.offsets, u.shapes):
                         per_name.setdefault(name, {})[key] = flat[off : off + shape.numel()].view(shape).clone()
                 else:  # scalars such as Adam's step count: equal on every shard

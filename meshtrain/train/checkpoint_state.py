@@ -84,7 +84,7 @@ def param_slots(model: ParallelModel) -> list[Slot]:
                 regions = unit_regions(u)
                 for name in u.names:
                     placement = placement_of(params[name])
-                    distinct = placement.sharded_over | {ZERO_VIEW}
+                    distinct = placement.sharded_over | {u.view or ZERO_VIEW}
                     slots.append(Slot(name, list(placement.global_shape), u.master,
                                       [Region(placement.shift(box), start) for box, start in regions[name]],
                                       mesh.is_first_replica(distinct)))
