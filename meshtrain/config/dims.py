@@ -133,8 +133,8 @@ def check_degrees(degrees: Mapping[str, object], world_size: int | None = None,
     bad = [f"{key(n)} = {v!r}" for n, v in d.items() if not _positive_int(v)]
     if bad:
         hint = f"; for world size {world_size} use e.g. {_suggest(world_size, d)}" if world_size else ""  # type: ignore[arg-type]
-        raise ConfigError(f"parallel degrees must be positive integers, got {', '.join(bad)} (1 turns a "
-                          f"dimension off){hint}")
+        raise ConfigError(f"parallel degrees must be positive integers, got {', '.join(bad)} (each >= 1; 1 turns "
+                          f"a dimension off){hint}")
     ints: dict[str, int] = {n: int(v) for n, v in d.items()}  # type: ignore[call-overload]
     prod = world_size_of(ints)
     if world_size is not None and prod != world_size:

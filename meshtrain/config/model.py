@@ -6,6 +6,7 @@ whose ``[model]`` section is derived from these fields, does not import torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -65,10 +66,10 @@ class LlamaConfig:
     bias_update_rate: float = 0.0
     """Step of DeepSeek-V3's auxiliary-loss-free balancing bias, applied once per optimizer step
     (0: off; e.g. 0.001)."""
-    capacity_factor: float = 0.0
-    """Expert capacity: 0 is dropless; a value > 0 lets each expert take at most
-    ceil(capacity_factor * T * moe_top_k / n_experts) of the T tokens a layer call routes, the later
-    positions dropped."""
+    capacity_factor: float = math.inf
+    """Expert capacity: inf (the default) is dropless; a finite value > 0 lets each expert take at
+    most ceil(capacity_factor * T * moe_top_k / n_experts) of the T tokens a layer call routes, the
+    later positions dropped."""
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads or self.dim % self.n_heads:
@@ -110,9 +111,9 @@ class LlamaConfig:
                               f"step, e.g. 0.001")
         if not self.route_scale > 0:
             raise ConfigError(f"route_scale = {self.route_scale} is not positive; use a value > 0, e.g. 1.0")
-        if not self.capacity_factor >= 0:
-            raise ConfigError(f"capacity_factor = {self.capacity_factor} is negative; use 0 for dropless or a value "
-                              f"> 0, e.g. 1.25")
+        if not self.capacity_factor > 0:
+            raise ConfigError(f"capacity_factor = {self.capacity_factor} must be > 0: each expert takes at most "
+                              f"capacity_factor x its even share of the tokens; use e.g. 1.25, or inf for dropless")
 
     @property
     def head_dim(self) -> int:

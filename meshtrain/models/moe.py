@@ -18,6 +18,7 @@ Load balancing: the auxiliary loss is never returned; its gradient is injected i
 from __future__ import annotations
 
 import functools
+import math
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -265,7 +266,7 @@ class MoE(nn.Module):
         route = self.router(tokens)
         chosen = route.expert_idx
         kept = chosen
-        if self.capacity_factor > 0:
+        if math.isfinite(self.capacity_factor):
             kept = drop_over_capacity(chosen, self.n_experts,
                                       expert_capacity(t, self.top_k, self.n_experts, self.capacity_factor))
         routed, counts, state = self.dispatcher.dispatch(tokens, kept)
@@ -280,7 +281,7 @@ class MoE(nn.Module):
             if aux is not None:
                 out = AuxLossInjector.apply(out, aux, self.step_info.shares)
             if not in_backward():  # a real forward, not activation checkpointing's recompute
-                self._count(x.device, chosen_counts, kept if self.capacity_factor > 0 else None, aux)
+                self._count(x.device, chosen_counts, kept if math.isfinite(self.capacity_factor) else None, aux)
         return out.view(b, s, d).to(x.dtype)
 
     def _aux_loss(self, scores: Tensor, chosen: Tensor, chosen_counts: Tensor, rows: int) -> Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..parallel.parallel_model import ParallelModel, ParallelOptimizer
 from .checkpoint_io import (FORMAT, LATEST, METADATA, STEP_RE, VERSION, Box, CheckpointReader, ReadPlan,
                             committed_steps, from_json, fsync_dir, merge_sidecars, replace_durable, step_dir_name,
@@ -39,7 +39,8 @@ def _agree(model: ParallelModel, exc: BaseException | None, what: str) -> None:
     world = model.mesh.comm.world
     msg = b""
     if exc is not None:
-        msg = (str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}").encode() or b"?"
+        msg = (str(exc) if isinstance(exc, (CheckpointError, ConfigError)) else f"{type(exc).__name__}: {exc}"
+               ).encode() or b"?"
     lengths = torch.zeros(world.size, dtype=torch.float64)
     if exc is not None:
         lengths[world.rank] = len(msg) + 1
@@ -52,7 +53,7 @@ def _agree(model: ParallelModel, exc: BaseException | None, what: str) -> None:
     if world.rank == src:
         buf.copy_(torch.tensor(list(msg), dtype=torch.int32))
     comm.broadcast(buf, src=world.ranks[src], group=world)
-    if isinstance(exc, CheckpointError):
+    if isinstance(exc, (CheckpointError, ConfigError)):
         raise exc
     text = f"{what} failed on rank {world.ranks[src]}: {bytes(buf.tolist()).decode(errors='replace')}"
     raise CheckpointError(text) from exc
@@ -254,6 +255,10 @@ def _resolve(path: str) -> str:
 # -- load ----------------------------------------------------------------------------------------
 
 
+_EXPERT_TENSORS = ("experts.w1", "experts.w2", "experts.w3", "router.gate.weight", "router.expert_bias")
+"""A mixture-of-experts layer's tensors whose first dim is the number of experts."""
+
+
 def _check(reader: CheckpointReader, key: str, shape: list[int]) -> None:
     """The checkpoint must hold ``key`` with the full ``shape`` this model has."""
     saved = reader.global_shape(key)
@@ -261,6 +266,10 @@ def _check(reader: CheckpointReader, key: str, shape: list[int]) -> None:
     if saved is None:
         raise CheckpointError(f"checkpoint {reader.path} has no tensor {key!r} for parameter {what}; it was saved "
                               f"from a different model (the model config must match the one that saved it)")
+    if saved != list(shape) and what.endswith(_EXPERT_TENSORS) and saved[1:] == list(shape)[1:]:
+        raise ConfigError(f"the checkpoint {reader.path} holds {saved[0]} experts per layer ({what}) but this model "
+                          f"has model.n_experts = {shape[0]}; set model.n_experts = {saved[0]} as in the run that "
+                          f"saved it (its config.toml), or start without resuming")
     if saved != list(shape):
         vocab = what.split(".")[0] in ("tok_emb", "head") and saved[1:] == list(shape)[1:]
         hint = (f"the vocabulary differs ({saved[0]} vs {shape[0]} rows): use the data.tokenizer, data.vocab_size "

@@ -16,6 +16,7 @@ import torch
 
 from ..bench.report import write_json_atomic
 from ..models.llama import LlamaConfig
+from .moe_metrics import tensorboard_scalars
 
 # dense bf16 peaks (FLOP/s) of GPUs people train on; CPUs are measured
 GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -119,9 +120,10 @@ class MetricsLogger:
         self.history.append(record)
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
+            scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            scalars.update(tensorboard_scalars(record))  # a mixture of experts' per-layer balance
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)

@@ -21,7 +21,7 @@ from .. import comm
 from ..config.dims import degrees_of
 from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
-from ..models.llama import Llama, num_params
+from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .checkpoint_async import CheckpointSaver
@@ -29,6 +29,7 @@ from .config import Config, TrainSection, model_config, parallel_config, to_dict
 from .config_check import check_algorithm
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
+from .moe_metrics import moe_record, plot_load_balance
 from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
 from .tokenizer import prepare_data
 
@@ -98,8 +99,9 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     with torch.device("meta"):  # the whole model's size, whatever this rank holds
         full = Llama(cfg)
     n_params = num_params(full)
-    # the embedding lookup does no matmul: MFU counts 6N over the other parameters (tied: the head's)
-    n_matmul = n_params - (0 if cfg.tie_embeddings else full.tok_emb.weight.numel())
+    # the embedding lookup does no matmul: MFU counts 6N over the other parameters (tied: the head's),
+    # and of a mixture of experts only those a token uses (the router, shared and top-k experts)
+    n_matmul = active_params(cfg) - (0 if cfg.tie_embeddings else full.tok_emb.weight.numel())
     tokens_per_step = t.global_batch * t.seq_len
     flops_step = flops_per_token(cfg, n_matmul, t.seq_len) * tokens_per_step
     # CPU ranks share a host; its peak was measured by the launcher (under torchrun: the first run)
@@ -143,6 +145,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                       "mfu": flops_step / dt / peak, "peak_mem_bytes": peak_memory_bytes(device),
                       "step_s": dt, "comm_s": comm_s, "compute_s": max(dt - comm_s, 0.0),
                       "samples": batch.sample_ids}
+            if model.moe_stats is not None:
+                record.update(moe_record(model.moe_stats))
             if logger is not None and (step % t.log_every == 0 or step == t.steps):
                 logger.log(record)
             ck = config.checkpoint
@@ -158,13 +162,15 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     finally:
         if logger is not None:
             logger.close()
-    summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "world_size": mesh.world_size,
+    summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "active_params": active_params(cfg),
+               "world_size": mesh.world_size,
                "layout": degrees_of(p), "seconds": time.perf_counter() - start,
                "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
     if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
         plot_loss(hist, run_dir / "loss.png")
+        plot_load_balance(hist, run_dir / "load_balance.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

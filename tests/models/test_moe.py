@@ -373,6 +373,7 @@ def test_router_is_fp32_under_autocast():
     (dict(n_experts=8, bias_update_rate=-1e-3), "bias_update_rate"),
     (dict(n_experts=8, route_scale=0.0), "route_scale"),
     (dict(n_experts=8, capacity_factor=-1.0), "capacity_factor"),
+    (dict(n_experts=8, capacity_factor=0.0), "capacity_factor = 0.0 must be > 0"),
 ])
 def test_config_checks_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):
@@ -382,7 +383,7 @@ def test_config_checks_name_the_field(kw, field):
 def test_config_checks():
     with pytest.raises(ConfigError, match=r"moe_top_k = 9 is larger than n_experts = 8; use moe_top_k <= 8"):
         LlamaConfig(n_experts=8, moe_top_k=9)
-    with pytest.raises(ConfigError, match="use 0 for dropless or a value > 0, e.g. 1.25"):
+    with pytest.raises(ConfigError, match="use e.g. 1.25, or inf for dropless"):
         LlamaConfig(n_experts=8, capacity_factor=-0.5)
     LlamaConfig(n_experts=0, moe_top_k=9, router_score="x")  # a dense model ignores the MoE fields
     cfg = LlamaConfig(n_layers=4, ffn_dim=96, n_experts=4, first_dense_layers=1)

@@ -87,6 +87,17 @@ CONFIG_CASES = {
     "data-vocab-too-small": (["--data.vocab_size=100"], ["data.vocab_size = 100", "257"]),
     "checkpoint-keep-zero": (["--checkpoint.keep=0"], ["checkpoint.keep >= 1", "keep = 0"]),
     "precision-fp16": (["--train.precision=fp16"], ["train.precision = 'fp16'", "loss scaling", "'bf16'"]),
+    # mixture of experts
+    "ep-not-dividing-dp-shard": (["--model.preset=moe-test", "--parallel.dp=2", "--parallel.tp=1", "--parallel.ep=3"],
+                                 ["parallel.ep = 3 must divide dp_shard = 2 x cp = 1", "[1, 2]"]),
+    "ep-not-dividing-experts": (["--model.preset=moe-test", "--model.n_experts=6", "--parallel.dp=4", "--parallel.tp=1",
+                                 "--parallel.ep=4"], ["parallel.ep = 4 does not divide model.n_experts = 6", "[1, 2, 3, 6]"]),
+    "ep-on-a-dense-model": (["--parallel.dp=2", "--parallel.tp=1", "--parallel.ep=2"],
+                            ["parallel.ep = 2 needs a mixture-of-experts model", "model.n_experts > 0"]),
+    "top-k-over-experts": (["--model.preset=moe-test", "--model.moe_top_k=9"],
+                           ["moe_top_k = 9 is larger than n_experts = 8", "moe_top_k <= 8"]),
+    "capacity-factor-zero": (["--model.preset=moe-test", "--model.capacity_factor=0"],
+                             ["capacity_factor = 0.0 must be > 0", "inf for dropless"]),
 }
 if not torch.cuda.is_available():  # a GPU machine would train there instead of failing
     CONFIG_CASES["device-cuda-without-gpu"] = (["--train.device=cuda"], ["train.device = 'cuda'", "no CUDA device",

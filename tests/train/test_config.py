@@ -136,7 +136,7 @@ def test_missing_and_invalid_files(tmp_path):
     (["--parallel.pp=2"], "fewer micro-batches (m=1) than pipeline stages (pp=2)"),
     (["--parallel.zero_stage=4"], "parallel.zero_stage = 4: use 0"),
     (["--parallel.tp=3"], "model.n_heads = 8 is not divisible by tp = 3"),
-    (["--parallel.dp=0"], "positive integers, got parallel.dp = 0 (1 turns a dimension off)"),
+    (["--parallel.dp=0"], "positive integers, got parallel.dp = 0 (each >= 1; 1 turns a dimension off)"),
     (["--parallel.ep=3"], "parallel.ep = 3 must divide dp_shard = 2 x cp = 1 (= 2)"),
     (["--parallel.ep=2"], "parallel.ep = 2 needs a mixture-of-experts model"),
     (["--parallel.dp_replicate=3"], "parallel.dp_replicate = 3 must be a positive integer that divides dp = 2 "

@@ -171,3 +171,33 @@ def test_restart_with_fewer_ranks_reshards_and_keeps_the_sample_order(tmp_path):
     assert [r["step"] for r in rows] == [3, 4]
     assert [r["samples"] for r in rows] == [r["samples"] for r in full[2:]]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in full[2:]], rel=1e-5)
+
+
+def test_a_mixture_of_experts_run_logs_its_balance_and_counts_active_flops(tmp_path):
+    """moe-test at dp2 x ep2: every MoE layer's tokens per expert add up to the step's tokens times
+    top-k, the min/max/CV are those of the counts, the balance plot is written, and MFU counts the
+    parameters a token uses."""
+    from meshtrain.models.llama import PRESETS, active_params, num_params, Llama
+    from meshtrain.train.config import load_config, model_config
+
+    args = ["--model.preset=moe-test", "--model.aux_loss_coef=0.01", "--model.bias_update_rate=0.001",
+            "--parallel.dp=2", "--parallel.tp=1", "--parallel.ep=2"]
+    rows = _run(tmp_path, "moe", *args, steps=3)
+    k = PRESETS["moe-test"].moe_top_k
+    for r in rows:
+        assert r["moe_layers"] == [1, 2, 3]  # layer 0 is dense
+        for i, counts in enumerate(r["moe_tokens"]):
+            assert sum(counts) == 4 * 32 * k
+            mean = sum(counts) / len(counts)
+            cv = math.sqrt(sum((c - mean) ** 2 for c in counts) / len(counts)) / mean
+            assert r["moe_tokens_cv"][i] == pytest.approx(cv)
+            assert (r["moe_tokens_min"][i], r["moe_tokens_max"][i]) == (min(counts), max(counts))
+        assert r["moe_dropped"] == [0.0, 0.0, 0.0] and r["moe_aux_loss"] > 0
+    run = tmp_path / "moe"
+    assert (run / "load_balance.png").stat().st_size > 0
+    summary = json.loads((run / "summary.json").read_text())
+    cfg = model_config(load_config(None, [a for a in SMALL + args if a != "--no-progress"]), 512)
+    import torch
+    with torch.device("meta"):
+        assert summary["params"] == num_params(Llama(cfg))
+    assert summary["active_params"] == active_params(cfg) < summary["params"]
