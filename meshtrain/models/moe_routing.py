@@ -33,6 +33,10 @@ class Router(nn.Module):
     """Token -> top-k experts and their weights. ``gate`` is the [E, dim] projection;
     ``expert_bias`` (float32 [E], zeros at init) shifts only which experts are chosen."""
 
+    compute_fp32 = True
+    """Its parameters compute in fp32 whatever the model's precision (mixed-precision wrappers such
+    as ZeRO keep their compute copy in fp32): a rounded gate changes which experts win."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.top_k = cfg.moe_top_k

@@ -78,18 +78,21 @@ class ZeroModel(nn.Module):
                 owner.setdefault(id(p), b)
         # slot 0 holds the root (parameters outside every block), then one slot per block; a slot
         # has one unit per reduce group its parameters name
-        per_slot: list[dict[int, list[tuple[str, nn.Parameter]]]] = [{} for _ in range(len(blocks) + 1)]
+        # parameters of a module that asks to compute in fp32 (an MoE router) get fp32 units
+        fp32 = {id(p) for m in module.modules() if getattr(m, "compute_fp32", False) for p in m.parameters()}
+        per_slot: list[dict[tuple[int, bool], list[tuple[str, nn.Parameter]]]] = [{} for _ in range(len(blocks) + 1)]
         for name, p in named:
             slot = owner[id(p)] + 1 if id(p) in owner else 0
-            per_slot[slot].setdefault(id(rg_of[id(p)]), []).append((name, p))
+            per_slot[slot].setdefault((id(rg_of[id(p)]), id(p) in fp32), []).append((name, p))
         self.units: list[FlatUnit] = []
         self._slots: list[list[FlatUnit]] = []
         self._units_of_module: dict[int, list[FlatUnit]] = {}
         for slot, by_group in enumerate(per_slot):
             made = []
-            for members in by_group.values():
+            for (_, keep_fp32), members in by_group.items():
                 rg = rg_of[id(members[0][1])]
-                made.append(FlatUnit(len(self.units), members, rg.group, self.mp.param_dtype, self.mp.reduce_dtype,
+                dtype = torch.float32 if keep_fp32 else self.mp.param_dtype
+                made.append(FlatUnit(len(self.units), members, rg.group, dtype, self.mp.reduce_dtype,
                                      replicas=rg.replicas, scale=rg.scale, view=rg.view))
                 made[-1].slot = len(self._slots)  # type: ignore[attr-defined]
                 self.units.append(made[-1])

@@ -34,7 +34,7 @@ def batches(steps: int, vocab: int) -> list[torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(variant: str, clip: float) -> tuple[list, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(variant: str, clip: float, autocast: bool = False) -> tuple[list, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process: losses (with the clipped norm when ``clip``), the first step's gradients, and
     every layer's routing bias after the first step's update."""
     cfg = VARIANTS[variant]
@@ -44,7 +44,9 @@ def reference(variant: str, clip: float) -> tuple[list, dict[str, torch.Tensor],
     losses, grads, bias = [], {}, {}
     for i, d in enumerate(batches(STEPS, cfg.vocab_size)):
         set_moe_step(model, MoEStepInfo(global_rows=BATCH))
-        loss = F.cross_entropy(model(d[:, :-1]).float().flatten(0, 1), d[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(d[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), d[:, 1:].flatten())
         loss.backward()
         finish_moe_step(model)  # the bias moves before the optimizer step
         if i == 0:
@@ -114,3 +116,54 @@ def test_moe_layout_matches_one_process(name, layout, config, variant):
         assert set(got) == set(ref_grads)
         for n, g in ref_grads.items():  # by name: router, shared and every expert included
             torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_bf16_zero3_keeps_the_router_in_fp32_and_follows_plain_autocast():
+    """ZeRO-3 in bf16 gathers and computes the experts in bf16 but the router in fp32 (a rounded
+    gate changes which experts win), and trains within bf16 tolerance of plain torch.autocast."""
+    from meshtrain.mesh import Mesh
+    from meshtrain.parallel.parallel_model import ParallelModel
+    from meshtrain.parallel.parallelize import ParallelConfig
+
+    fp32, _, _ = reference("seq-aux", 0.0)
+    bf16, _, _ = reference("seq-aux", 0.0, autocast=True)
+    assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) > 1e-6  # autocast changed something
+
+    def run(rank: int) -> tuple[list[float], set]:
+        cfg = VARIANTS["seq-aux"]
+        model = ParallelModel(cfg, Mesh(dp=2, ep=2), ParallelConfig(zero_stage=3, precision="bf16"), seed=0)
+        dtypes = {(n.split(".")[-1] if "router" in n else "other", u.param_dtype)
+                  for stage in model.stages.values() for u in stage.units for n in u.names}
+        opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
+        losses = []
+        for d in batches(STEPS, cfg.vocab_size):
+            losses.append(model.forward_backward(d[:, :-1], d[:, 1:]).item())
+            opt.step()
+            opt.zero_grad()
+        return losses, dtypes
+
+    for losses, dtypes in comm.run_local(2, run, timeout=120):
+        assert dtypes == {("weight", torch.float32), ("other", torch.bfloat16)}, dtypes
+        assert max(abs(a - b) / b for a, b in zip(losses, bf16)) <= 2e-2, (losses, bf16)
+
+
+def test_pipeline_stages_balance_the_parameters_a_token_uses():
+    """Half the layers dense, half expert-heavy: balanced by parameter count, the stage with the
+    dense layers would take more layers (and most of the compute); balanced by the parameters a
+    token uses (2 of 16 experts), the busiest stage's compute is lower."""
+    from meshtrain.parallel.pipeline.partition import _cost, _numel, balanced_partition, split_stages
+
+    with torch.device("meta"):
+        model = Llama(dataclasses.replace(PRESETS["moe-200m"], first_dense_layers=4))
+    blocks = list(model.layers.values())
+    active = [_cost(b) for b in blocks]
+    assert active[4] < 2 * active[0] < _numel(blocks[4]) / 2  # active vs held, for one MoE layer
+
+    def busiest(ranges: list[range]) -> float:
+        return max(sum(active[i] for i in r) for r in ranges)
+
+    by_count = balanced_partition([float(_numel(b)) for b in blocks], 2)
+    by_active = balanced_partition(active, 2)
+    assert busiest(by_active) < 0.9 * busiest(by_count), (by_count, by_active)
+    stages = split_stages(model, 2, [0, 1])
+    assert [len(stages[s].layers) for s in (0, 1)] != [len(r) for r in by_count]

@@ -1,4 +1,4 @@
-"""Split a Llama's layers into pipeline stages, balanced by parameter count.
+"""Split a Llama's layers into pipeline stages, balanced by the parameters a token uses.
 
 The embedding goes with the first stage and the final norm and head with the last; every stage
 holds at least one decoder block. A stage is the full model with the other blocks removed, so every
@@ -12,6 +12,7 @@ import copy
 from torch import nn
 
 from ...errors import ConfigError
+from ...models.moe import MoE
 
 
 def balanced_partition(costs: list[float], n_stages: int, first_extra: float = 0.0,
@@ -57,6 +58,16 @@ def _numel(m: nn.Module | None) -> int:
     return 0 if m is None else sum(p.numel() for p in m.parameters())
 
 
+def _cost(block: nn.Module) -> float:
+    """A block's compute, as the parameters a token uses: a mixture-of-experts layer's routed
+    experts count top_k of n_experts (its memory is another matter: every expert is held)."""
+    cost = float(_numel(block))
+    for m in block.modules():
+        if isinstance(m, MoE):
+            cost -= _numel(m.experts) * (1 - m.top_k / m.n_experts)
+    return cost
+
+
 def split_stages(model: nn.Module, n_stages: int, stage_ids: list[int]) -> dict[int, nn.Module]:
     """Copies of ``model`` (a ``Llama``, ideally on the meta device) for the given global stage
     ids: each keeps its share of ``model.layers``; only stage 0 keeps ``tok_emb``, only the last
@@ -65,7 +76,7 @@ def split_stages(model: nn.Module, n_stages: int, stage_ids: list[int]) -> dict[
         raise ConfigError("tie_embeddings=true needs the embedding and the head on one stage; with pipeline "
                           "parallelism set model.tie_embeddings=false (or pp=1)")
     keys = list(model.layers.keys())
-    ranges = balanced_partition([_numel(model.layers[k]) for k in keys], n_stages,
+    ranges = balanced_partition([_cost(model.layers[k]) for k in keys], n_stages,
                                 first_extra=_numel(model.tok_emb),
                                 last_extra=_numel(model.norm) + _numel(model.head))
     out: dict[int, nn.Module] = {}
