@@ -82,7 +82,9 @@ def train_rank(rank: int, variant: str, layout: dict, config: dict, clip: float)
     return losses, grads, bias
 
 
-LAYOUTS = [  # (id, layout, parallel config, variant)
+# (id, layout, parallel config, variant). Batch-level balancing is defined per global micro-batch,
+# so it matches one process only with one micro-batch; sequence-level with any number.
+LAYOUTS = [
     ("dp4-ep4", dict(dp=4, ep=4), {}, "seq-aux"),
     ("dp4-ep2-sigmoid-batch", dict(dp=4, ep=2), {}, "sigmoid-batch"),
     ("dp2xtp2-ep2", dict(dp=2, tp=2, ep=2), {}, "seq-aux"),
@@ -90,7 +92,9 @@ LAYOUTS = [  # (id, layout, parallel config, variant)
     ("dp2xpp2-ep2-1f1b", dict(dp=2, pp=2, ep=2), dict(microbatches=2), "seq-aux"),
     ("dp2xpp2-ep2-interleaved", dict(dp=2, pp=2, ep=2), dict(microbatches=2, schedule="interleaved",
                                                               virtual_stages=2), "seq-aux"),
+    ("dp2xpp2-ep2-afab", dict(dp=2, pp=2, ep=2), dict(microbatches=2, schedule="afab"), "seq-aux"),
     ("dp2xcp2-ep2-ac", dict(dp=2, cp=2, ep=2), dict(activation_checkpointing="full"), "seq-aux"),
+    ("dp4-ep1-zero2", dict(dp=4), dict(zero_stage=2), "seq-aux"),
     ("dp4-ep2-zero1", dict(dp=4, ep=2), dict(zero_stage=1), "seq-aux"),
     ("hsdp2x2-ep2-zero3", dict(dp=4, dp_replicate=2, ep=2), dict(zero_stage=3), "seq-aux"),
     ("dp2xtp2-ep2-zero3", dict(dp=2, tp=2, ep=2), dict(zero_stage=3), "sigmoid-batch"),
