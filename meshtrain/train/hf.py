@@ -5,7 +5,8 @@ layout) and writes ``out/config.json`` + ``out/model.safetensors`` that ``transf
 ``LlamaForCausalLM`` with the same logits, plus the run's tokenizer when it can be found.
 ``read_hf(hf_dir)`` is the inverse: a ``LlamaConfig`` and meshtrain-named full tensors, which
 ``write_init_checkpoint`` stores as a step-0 checkpoint that ``meshtrain train`` resumes under any
-layout (``meshtrain import`` does both, see ``hf_cli.py``).
+layout (``meshtrain import`` does both, see ``hf_cli.py``). Mixture-of-experts models map to
+transformers MoE classes instead (``hf_moe.py``; the functions here dispatch on ``n_experts``).
 
 The one non-trivial step is the rotary layout: meshtrain's ``apply_rotary`` rotates interleaved
 pairs (x[2i], x[2i+1]) while HF's ``rotate_half`` rotates (x[i], x[i + d/2]). The q and k
@@ -20,7 +21,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -35,7 +36,7 @@ from .config import Config, from_dict, model_config, to_dict
 
 __all__ = ["to_hf_permute", "from_hf_permute", "hf_config", "to_hf_state", "from_hf_state", "read_checkpoint",
            "build_llama", "locate_tokenizer", "export_hf", "read_hf", "llama_config_from_hf",
-           "write_init_checkpoint", "prepare_out_dir"]
+           "write_init_checkpoint", "prepare_out_dir", "check_fits", "llama_fields_from_hf"]
 
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 _LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
@@ -119,28 +120,39 @@ def from_hf_state(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str,
             continue
         t = t.to(torch.float32)
         out[name] = from_hf_permute(t, _heads(name, cfg)) if _permuted(name) else t.contiguous()
+    check_fits(out, cfg, _hf_name)
+    return out
+
+
+def check_fits(out: dict[str, torch.Tensor], cfg: LlamaConfig, show: Callable[[str], str]) -> None:
+    """``ConfigError`` unless ``out`` holds exactly the model's parameters and routing-bias buffers
+    (tied: no ``head.weight``) with its shapes; ``show`` names a tensor in the messages."""
     if cfg.tie_embeddings:
         out.pop("head.weight", None)
     with torch.device("meta"):
-        want = dict(Llama(cfg).named_parameters())  # tied: head.weight is a duplicate and left out
+        model = Llama(cfg)
+    want = dict(model.named_parameters())  # tied: head.weight is a duplicate and left out
+    want.update((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
     missing = sorted(set(want) - set(out))
     extra = sorted(set(out) - set(want))
     if missing or extra:
         raise ConfigError(f"the Hugging Face weights do not fit config.json's model: missing "
-                          f"{[_hf_name(n) for n in missing][:4]}, unexpected {[_hf_name(n) for n in extra][:4]}")
+                          f"{[show(n) for n in missing][:4]}, unexpected {[show(n) for n in extra][:4]}")
     for name, p in want.items():
         if tuple(out[name].shape) != tuple(p.shape):
-            raise ConfigError(f"Hugging Face tensor {_hf_name(name)} has shape {tuple(out[name].shape)} but "
+            raise ConfigError(f"Hugging Face tensor {show(name)} has shape {tuple(out[name].shape)} but "
                               f"config.json implies {tuple(p.shape)}")
-    return out
 
 
 # -- configs ---------------------------------------------------------------------------------------
 
 
-def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with ``cfg``'s shape (transformers 4.x and 5.x)."""
+def hf_config(cfg: LlamaConfig, eos_id: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with ``cfg``'s shape (transformers 4.x and 5.x).
+    ``eos_id``: the tokenizer's end-of-text id; written (else null) so that ``generate`` does not stop
+    at transformers' default id 2, an ordinary token of meshtrain's tokenizers."""
     return {
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": None,
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "num_hidden_layers": cfg.n_layers, "head_dim": cfg.head_dim,
@@ -153,17 +165,29 @@ def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 def llama_config_from_hf(c: dict[str, Any], where: str = "config.json") -> LlamaConfig:
-    """The ``LlamaConfig`` of an HF Llama ``config.json``; features meshtrain's Llama lacks (biases,
-    RoPE scaling, other activations, a decoupled head_dim) raise ``ConfigError`` rather than being
-    silently dropped."""
+    """The ``LlamaConfig`` of an HF Llama ``config.json`` (or of a supported MoE class, see
+    ``hf_moe``); features meshtrain's Llama lacks (biases, RoPE scaling, other activations, a
+    decoupled head_dim) raise ``ConfigError`` rather than being silently dropped."""
+    from . import hf_moe
+
+    if hf_moe.hf_class(c) is not None:
+        return hf_moe.moe_config_from_hf(c, where)
     arch = c.get("architectures") or []
     if c.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
         raise ConfigError(f"{where}: model_type={c.get('model_type')!r}, architectures={arch}: not a Llama; "
-                          f"only LlamaForCausalLM can be imported")
+                          f"only LlamaForCausalLM and the MoE classes {', '.join(hf_moe.CLASSES)} can be imported")
+    return llama_fields_from_hf(c, where, {"attention_bias": bool(c.get("attention_bias")),
+                                           "mlp_bias": bool(c.get("mlp_bias"))})
+
+
+def llama_fields_from_hf(c: dict[str, Any], where: str, unsupported: dict[str, bool], tie_default: bool = False,
+                         **fields: Any) -> LlamaConfig:
+    """The ``LlamaConfig`` of the Llama part of ``c`` (sizes, rotary base, norm epsilon, tying;
+    ``tie_default`` when ``c`` does not say) with ``fields`` set on top; ``ConfigError`` naming every
+    ``unsupported`` feature that is present, or a non-silu activation, RoPE scaling or a decoupled head_dim."""
     ropes = [r for r in (c.get("rope_parameters"), c.get("rope_scaling")) if isinstance(r, dict)]  # 5.x, 4.x
     scaled = any(r.get("rope_type", r.get("type", "default")) != "default" for r in ropes)
-    unsupported = {"hidden_act": c.get("hidden_act", "silu") != "silu", "attention_bias": bool(c.get("attention_bias")),
-                   "mlp_bias": bool(c.get("mlp_bias")), "rope scaling": scaled}
+    unsupported = {"hidden_act": c.get("hidden_act", "silu") != "silu", **unsupported, "rope scaling": scaled}
     bad = [k for k, v in unsupported.items() if v]
     try:
         dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -173,14 +197,17 @@ def llama_config_from_hf(c: dict[str, Any], where: str = "config.json") -> Llama
             raise ConfigError(f"{where}: meshtrain's Llama does not implement {', '.join(bad)}; this model "
                               f"cannot be imported")
         theta = next((r["rope_theta"] for r in ropes if "rope_theta" in r), c.get("rope_theta", 10000.0))
-        return LlamaConfig(vocab_size=int(c["vocab_size"]), dim=dim, n_layers=int(c["num_hidden_layers"]),
-                           n_heads=heads, n_kv_heads=int(c.get("num_key_value_heads") or heads),
-                           ffn_dim=int(c["intermediate_size"]), max_seq_len=int(c.get("max_position_embeddings", 2048)),
-                           rope_theta=float(theta), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                           tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        shape = dict(vocab_size=int(c["vocab_size"]), dim=dim, n_layers=int(c["num_hidden_layers"]),
+                     n_heads=heads, n_kv_heads=int(c.get("num_key_value_heads") or heads),
+                     ffn_dim=int(c["intermediate_size"]), max_seq_len=int(c.get("max_position_embeddings", 2048)),
+                     rope_theta=float(theta), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                     tie_embeddings=bool(c.get("tie_word_embeddings", tie_default)))
+        return LlamaConfig(**{**shape, **fields})
     except KeyError as e:
         raise ConfigError(f"{where} has no {e.args[0]!r}; it is not a complete Llama config") from None
     except ValueError as e:
+        if isinstance(e, ConfigError) and str(e).startswith(where):
+            raise
         raise ConfigError(f"{where}: {e}") from None
 
 
@@ -252,12 +279,18 @@ def export_hf(checkpoint: str, out: str | Path, tokenizer: str | Path | None = N
     out = prepare_out_dir(out)
     cfg, tensors, config = read_checkpoint(checkpoint)
     tok = Path(tokenizer) if tokenizer else locate_tokenizer(config)
-    state = to_hf_state(tensors, cfg)
+    eos_id = _eos_id(tok)
+    if cfg.n_experts:  # a transformers MoE class, or ConfigError before anything is written
+        from .hf_moe import moe_export
+
+        conf, state = moe_export(cfg, tensors, eos_id)
+    else:
+        conf, state = hf_config(cfg, eos_id), to_hf_state(tensors, cfg)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        write_durable(str(tmp / HF_CONFIG), json.dumps(hf_config(cfg), indent=2).encode())
+        write_durable(str(tmp / HF_CONFIG), json.dumps(conf, indent=2).encode())
         write_durable(str(tmp / HF_WEIGHTS), st_save(state, metadata={"format": "pt"}))
         if tok is not None and tok.is_file():
             shutil.copyfile(tok, tmp / "tokenizer.json")
@@ -274,6 +307,19 @@ def export_hf(checkpoint: str, out: str | Path, tokenizer: str | Path | None = N
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, note
+
+
+def _eos_id(tok: Path | None) -> int | None:
+    """The end-of-text id of the tokenizer the export includes (None without one)."""
+    if tok is None or not tok.is_file():
+        return None
+    from ..errors import DataError
+    from .tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(tok).eos_id
+    except DataError:  # a tokenizer without an end-of-text token: generation then has no stop id
+        return None
 
 
 def _write_tokenizer_config(tok: Path, out: Path) -> None:
@@ -296,15 +342,17 @@ def _write_tokenizer_config(tok: Path, out: Path) -> None:
 
 
 def read_hf(hf_dir: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """A local HF Llama directory (``config.json`` + ``model.safetensors`` or a sharded
-    ``model.safetensors.index.json``) as a ``LlamaConfig`` and meshtrain-named fp32 tensors.
-    Pickled ``pytorch_model.bin`` weights are refused: nothing is ever unpickled."""
+    """A local HF Llama (or supported MoE, ``hf_moe``) directory (``config.json`` +
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``) as a ``LlamaConfig`` and
+    meshtrain-named fp32 tensors. Pickled ``pytorch_model.bin`` weights are refused: nothing is
+    ever unpickled."""
     d = Path(hf_dir)
     conf_path = d / HF_CONFIG
     if not conf_path.is_file():
         raise ConfigError(f"{d} is not a Hugging Face model directory: it has no {HF_CONFIG}")
     try:
-        cfg = llama_config_from_hf(json.loads(conf_path.read_text(encoding="utf-8")), str(conf_path))
+        conf = json.loads(conf_path.read_text(encoding="utf-8"))
+        cfg = llama_config_from_hf(conf, str(conf_path))
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -325,7 +373,10 @@ def read_hf(hf_dir: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
                     state[key] = st.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own types for bad files
             raise ConfigError(f"cannot read {f}: {e}") from None
-    return cfg, from_hf_state(state, cfg)
+    from . import hf_moe
+
+    arch = hf_moe.hf_class(conf)
+    return cfg, (hf_moe.moe_from_hf_state(state, cfg, arch) if arch else from_hf_state(state, cfg))
 
 
 def write_init_checkpoint(root: str | Path, tensors: dict[str, torch.Tensor], config: Config,

@@ -1,6 +1,7 @@
 """``meshtrain export | import | generate``: Hugging Face Llama directories in and out, and sampling.
 
-- ``export --checkpoint DIR --out HF_DIR``: a checkpoint of any layout -> ``LlamaForCausalLM`` files.
+- ``export --checkpoint DIR --out HF_DIR``: a checkpoint of any layout -> ``LlamaForCausalLM`` files
+  (a mixture-of-experts model: the transformers MoE class that computes it exactly, ``hf_moe.py``).
 - ``import HF_DIR [--out RUN_DIR] [--config F] [--section.key=value ...]``: converts the weights
   into ``RUN_DIR/checkpoints/step-00000000`` (fresh optimizer) and trains from it under any layout
   (``--convert-only`` stops after the conversion and prints the ``meshtrain train`` command).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +27,9 @@ __all__ = ["add_export_arguments", "add_import_arguments", "add_generate_argumen
 
 # every LlamaConfig field: each is set by the [model] override of the same name
 _SHAPE = tuple(f.name for f in dataclasses.fields(LlamaConfig))
+# the fields an import may change: they leave the weights' shapes and values as they are (the
+# context length, and the MoE layer's training-time capacity and balancing)
+_FREE = ("max_seq_len", "capacity_factor", "aux_loss_coef", "aux_loss_level", "bias_update_rate")
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +41,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_import_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``meshtrain import`` (every training config key is an option too: --train.steps=100)."""
-    p.add_argument("hf_dir", help="a local Hugging Face Llama directory (config.json + model.safetensors)")
+    p.add_argument("hf_dir", help="a local Hugging Face Llama (or Mixtral, Qwen2-MoE, Ernie 4.5 MoE, GLM-4 MoE) "
+                   "directory (config.json + model.safetensors)")
     p.add_argument("--out", help="run directory, absent or empty (default runs/<date-time>)")
     p.add_argument("--config", help="a TOML training config; --section.key=value options override it")
     p.add_argument("--convert-only", action="store_true", help="write the step-0 checkpoint and config.toml, "
@@ -71,7 +77,8 @@ def main_export(args: argparse.Namespace) -> int:
         out, note = export_hf(args.checkpoint, args.out, args.tokenizer)
     except MeshtrainError as exc:
         return _fail("export", exc)
-    print(f"# wrote {out}/config.json and model.safetensors (LlamaForCausalLM); {note}")
+    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"# wrote {out}/config.json and model.safetensors ({arch}); {note}")
     return 0
 
 
@@ -126,11 +133,11 @@ def import_hf(hf_dir: str, out: str | None = None, config_path: str | None = Non
     run = prepare_out_dir(config.out)
     _, tokenizer, tokens = prepare_data(config.data)
     mc = model_config(config, tokenizer.vocab_size)
-    diff = [f"{k}: {getattr(mc, k)} != {getattr(cfg, k)}" for k in _SHAPE if k != "max_seq_len"
+    diff = [f"{k}: {getattr(mc, k)} != {getattr(cfg, k)}" for k in _SHAPE if k not in _FREE
             and getattr(mc, k) != getattr(cfg, k)]
     if diff:
         raise ConfigError(f"the [model] settings change the imported model's shape ({'; '.join(diff)}); only "
-                          f"model.max_seq_len may differ from {hf_dir}/config.json")
+                          f"model.{', model.'.join(_FREE)} may differ from {hf_dir}/config.json")
     t = config.train
     extra = {"step": 0, "loader": GlobalBatchLoader(tokens, t.seq_len, t.global_batch, seed=t.seed).state_dict(),
              # the trainer seeds torch with train.seed and then restores this: the same state
