@@ -7,6 +7,8 @@ whole (cropped) context again: fine for the small models meshtrain trains on a l
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -58,6 +60,8 @@ def load_for_generation(checkpoint: str, tokenizer: str | None = None,
     """The full model of a checkpoint (step dir or root) and its tokenizer (``tokenizer``, else
     the run's ``data.tokenizer`` or cached BPE; ``DataError`` if neither is found)."""
     cfg, tensors, config = read_checkpoint(checkpoint)
+    # capacity is a training setting: inference routes every token (as the exported model does)
+    cfg = dataclasses.replace(cfg, capacity_factor=math.inf)
     path = Path(tokenizer) if tokenizer else locate_tokenizer(config)
     if path is None:
         raise DataError(f"the tokenizer of checkpoint {checkpoint} was not found (data.tokenizer = "
