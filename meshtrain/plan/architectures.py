@@ -1,8 +1,10 @@
 """Model shapes the planner knows: meshtrain's own presets plus published architectures
-(Llama 3.1 8B / 70B / 405B, GPT-3 175B) that meshtrain's presets lack, or a JSON file.
+(Llama 3.1 8B / 70B / 405B, GPT-3 175B, and the mixtures of experts Qwen3-30B-A3B and DeepSeek-V3)
+that meshtrain's presets lack, or a JSON file.
 
 Only shapes live here; nothing is fitted per run. Parameter counts are computed from the shape, so
-``Arch.params`` of ``llama3-8b`` is the 8.03 B of the model card, which the tests check by hand.
+``Arch.params`` of ``llama3-8b`` is the 8.03 B of the model card, which the tests check by hand (and
+``params`` / ``active_params`` of the MoE models their model cards' total and active counts).
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..models.llama import PRESETS, LlamaConfig
+
+
+@dataclass(frozen=True)
+class Mla:
+    """DeepSeek's multi-head latent attention (arXiv 2405.04434): queries and keys/values go through
+    low-rank latents (``q_lora_rank``, ``kv_lora_rank``); each head's query/key is ``qk_nope_dim``
+    wide plus a shared rotary part of ``qk_rope_dim``, its value ``v_head_dim``."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -30,26 +45,119 @@ class Arch:
     gated_mlp: bool = True
     """SwiGLU (three ffn matrices, Llama) or a plain two-matrix MLP (GELU, GPT-3)."""
     tie_embeddings: bool = False
+    head_size: int = 0
+    """Width of one attention head; 0: dim / n_heads (Qwen3-30B-A3B has 32 heads of 128 at dim 2048)."""
+    n_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    moe_top_k: int = 0
+    """Routed experts each token uses."""
+    moe_ffn_dim: int = 0
+    """Hidden size of one routed expert's SwiGLU (0: ffn_dim)."""
+    n_shared_experts: int = 0
+    """Shared experts every token uses: one SwiGLU of width n_shared_experts x moe_ffn_dim."""
+    first_dense_layers: int = 0
+    """The first this many layers keep the dense MLP of width ffn_dim."""
+    capacity_factor: float = 0.0
+    """0: dropless; > 0: an expert takes at most capacity_factor x its even share of the tokens."""
+    mla: Mla | None = None
+    """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts model."""
+        return self.n_experts > 0
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head."""
-        return self.dim // self.n_heads
+        """Size of one attention head (query/key width per head under MLA)."""
+        if self.mla is not None:
+            return self.mla.qk_nope_dim + self.mla.qk_rope_dim
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def kv_dim(self) -> int:
-        """Width of the K (or V) projection: n_kv_heads * head_dim (grouped-query attention)."""
+        """Width of the K (or V) projection: n_kv_heads * head_dim (grouped-query attention); under
+        MLA the mean of the per-head K and V widths over all heads (what ring attention passes on)."""
+        if self.mla is not None:
+            return self.n_heads * (self.head_dim + self.mla.v_head_dim) // 2
         return self.n_kv_heads * self.head_dim
 
-    def matmul_params_per_layer(self) -> int:
-        """Weights of one block's matrix multiplies: q, k, v, o and the MLP's two or three matrices."""
-        attn = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
-        mlp = (3 if self.gated_mlp else 2) * self.dim * self.ffn_dim
-        return attn + mlp
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and, but for MLA, of the attention output): n_heads * head_dim."""
+        return self.n_heads * self.head_dim
 
-    def params_per_layer(self) -> int:
-        """All of one block's parameters (its matrices plus two norm scales)."""
-        return self.matmul_params_per_layer() + 2 * self.dim
+    @property
+    def o_dim(self) -> int:
+        """Width of the attention output (the values of all heads) that the output projection reads."""
+        return self.n_heads * (self.mla.v_head_dim if self.mla is not None else self.head_dim)
+
+    @property
+    def expert_ffn(self) -> int:
+        """Hidden size of one routed expert (and the unit of the shared experts' width)."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of the shared experts' SwiGLU (0 without shared experts)."""
+        return self.n_shared_experts * self.expert_ffn
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is the MoE layer."""
+        return self.n_layers - self.first_dense_layers if self.is_moe else 0
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers with the dense MLP."""
+        return self.n_layers - self.moe_layers
+
+    def attention_params(self) -> int:
+        """Weights of one block's attention projections."""
+        if self.mla is not None:
+            m = self.mla
+            q = self.dim * m.q_lora_rank + m.q_lora_rank * self.q_dim
+            kv = self.dim * (m.kv_lora_rank + m.qk_rope_dim) + m.kv_lora_rank * self.n_heads * (m.qk_nope_dim +
+                                                                                               m.v_head_dim)
+            return q + kv + self.o_dim * self.dim
+        return self.dim * self.q_dim + 2 * self.dim * self.kv_dim + self.o_dim * self.dim
+
+    def norm_params(self) -> int:
+        """One block's norm scales: the two RMSNorms (and MLA's two latent norms)."""
+        return 2 * self.dim + (self.mla.q_lora_rank + self.mla.kv_lora_rank if self.mla is not None else 0)
+
+    def expert_params(self) -> int:
+        """One routed expert: a SwiGLU of width ``expert_ffn``."""
+        return 3 * self.dim * self.expert_ffn
+
+    def routed_params_per_layer(self) -> int:
+        """All routed experts of one MoE layer: the weights expert parallelism splits over ep."""
+        return self.n_experts * self.expert_params()
+
+    def matmul_params_per_layer(self, moe: bool = False) -> int:
+        """Weights of one block's matrix multiplies: attention, and the dense MLP (two or three
+        matrices) or, for a MoE layer, the router, the shared experts and every routed expert."""
+        if moe:
+            return self.attention_params() + self.dim * self.n_experts + 3 * self.dim * self.shared_ffn + \
+                self.routed_params_per_layer()
+        return self.attention_params() + (3 if self.gated_mlp else 2) * self.dim * self.ffn_dim
+
+    def active_matmul_params_per_layer(self, moe: bool = False) -> float:
+        """Weights one token multiplies by in a block: for a MoE layer, only ``moe_top_k`` routed
+        experts (times the capacity factor when it drops tokens)."""
+        if not moe:
+            return self.matmul_params_per_layer()
+        return (self.matmul_params_per_layer(True) - self.routed_params_per_layer()
+                + self.moe_top_k * self.routed_share() * self.expert_params())
+
+    def routed_share(self) -> float:
+        """Fraction of the routed (token, expert) pairs an expert computes: 1 dropless (balanced
+        routing); capacity_factor below 1 drops the rest."""
+        return min(self.capacity_factor, 1.0) if self.capacity_factor > 0 else 1.0
+
+    def params_per_layer(self, moe: bool = False) -> int:
+        """All of one block's parameters (its matrices plus norm scales)."""
+        return self.matmul_params_per_layer(moe) + self.norm_params()
 
     def embedding_params(self) -> int:
         """Input embedding table (a lookup: no FLOPs)."""
@@ -61,12 +169,19 @@ class Arch:
 
     def params(self) -> int:
         """Total parameter count N."""
-        return self.n_layers * self.params_per_layer() + self.embedding_params() + self.head_params()
+        blocks = self.dense_layers * self.params_per_layer() + self.moe_layers * self.params_per_layer(True)
+        return blocks + self.embedding_params() + self.head_params()
 
-    def flop_params(self) -> int:
-        """Parameters that take part in matrix multiplies: N without the input embedding (the
-        convention of meshtrain's ``flops_per_token``, of torchtitan and of PaLM)."""
-        return self.params() - (0 if self.tie_embeddings else self.embedding_params())
+    def active_params(self) -> float:
+        """Parameters one token uses (a MoE layer's top-k routed experts only); N for a dense model."""
+        routed = self.moe_layers * (self.routed_params_per_layer() - self.moe_top_k * self.expert_params())
+        return self.params() - routed
+
+    def flop_params(self) -> float:
+        """Parameters that take part in a token's matrix multiplies: the active parameters without
+        the input embedding (the convention of meshtrain's ``flops_per_token``, of torchtitan and of
+        PaLM; MoE models count active parameters, as Megatron's and DeepSeek's MFU do)."""
+        return self.active_params() - (0 if self.tie_embeddings else self.embedding_params())
 
 
 # Published shapes (the models' configuration files / papers); vocabularies as released.
@@ -77,13 +192,34 @@ ARCHS: dict[str, Arch] = {
     # GPT-3 175B (Brown et al. 2020): 96 layers, d=12288, 96 heads, 4d MLP; Megatron's strong-scaling
     # run uses a larger vocabulary ("slightly more than 175 billion parameters"), 131072 here.
     "gpt-175b": Arch("gpt-175b", 96, 12288, 96, 96, 4 * 12288, 131072, gated_mlp=False),
+    # Qwen3-30B-A3B (its config.json on the Hugging Face hub): 48 layers, hidden 2048, 32 query heads
+    # of head_dim 128 (q is 4096 wide), 4 kv heads, 128 experts, top-8, moe_intermediate_size 768,
+    # no shared experts, vocabulary 151936, untied head. (Its q/k RMSNorms, 256 scales a layer, are
+    # left out.) 30.5 B total, 3.3 B active per the model card.
+    "qwen3-30b-a3b": Arch("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_size=128, n_experts=128,
+                          moe_top_k=8, moe_ffn_dim=768),
+    # DeepSeek-V3 (arXiv 2412.19437 and its config.json): 61 layers, hidden 7168, the first 3 dense
+    # (intermediate 18432), then 256 routed experts (top-8, moe_intermediate 2048) + 1 shared; MLA
+    # with 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128;
+    # vocabulary 129280. 671 B total, 37 B active (the multi-token-prediction module, 14 B, is not
+    # part of either count nor of this shape).
+    "deepseek-v3": Arch("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, n_experts=256, moe_top_k=8,
+                        moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=3,
+                        mla=Mla(q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)),
 }
 
 
 def from_llama_config(name: str, cfg: LlamaConfig) -> Arch:
     """The shape of a meshtrain ``LlamaConfig``."""
+    # the MoE fields are read with defaults, so a LlamaConfig without them is a dense model
+    n_experts = int(getattr(cfg, "n_experts", 0) or 0)
+    moe = {"n_experts": n_experts, "moe_top_k": int(getattr(cfg, "moe_top_k", 0) or 0),
+           "moe_ffn_dim": int(getattr(cfg, "moe_ffn_dim", 0) or 0),
+           "n_shared_experts": int(getattr(cfg, "n_shared_experts", 0) or 0),
+           "first_dense_layers": int(getattr(cfg, "first_dense_layers", 0) or 0),
+           "capacity_factor": float(getattr(cfg, "capacity_factor", 0.0) or 0.0)} if n_experts else {}
     return Arch(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size,
-                True, cfg.tie_embeddings)
+                True, cfg.tie_embeddings, **moe)
 
 
 def known_models() -> list[str]:

@@ -24,8 +24,10 @@ DEVICE_PRESETS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 
 LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "zero_stage": "zero_stage",
                  "microbatches": "microbatches", "schedule": "schedule", "virtual_stages": "virtual",
-                 "activation_checkpointing": "ac", "sequence_parallel": "sp", "dp_replicate": "dp_replicate"}
-"""The ``[parallel]`` keys auto sets -> the planner ``Layout`` attribute each takes."""
+                 "activation_checkpointing": "ac", "sequence_parallel": "sp", "dp_replicate": "dp_replicate",
+                 "ep": "ep"}
+"""The ``[parallel]`` keys auto sets -> the planner ``Layout`` attribute each takes (``ep`` only where
+the config has it)."""
 
 
 def cluster_for(device: str) -> Cluster:
@@ -45,8 +47,13 @@ def cluster_for(device: str) -> Cluster:
                       f"--search suggests one) and parallel.auto = false")
 
 
-def _settings(pred: Prediction) -> dict[str, Any]:
-    return {key: getattr(pred.layout, attr) for key, attr in LAYOUT_FIELDS.items()}
+def _fields(parallel: Any) -> dict[str, str]:
+    """The ``LAYOUT_FIELDS`` this config's ``[parallel]`` section has."""
+    return {key: attr for key, attr in LAYOUT_FIELDS.items() if hasattr(parallel, key)}
+
+
+def _settings(pred: Prediction, parallel: Any) -> dict[str, Any]:
+    return {key: getattr(pred.layout, attr) for key, attr in _fields(parallel).items()}
 
 
 def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, top: int = 50) -> Prediction:
@@ -60,14 +67,16 @@ def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, 
     cluster = cluster if cluster is not None else cluster_for(t.device)
     arch = from_llama_config(config.model.preset, model_config(config, vocab_size))
     fixed = {"precision": t.precision, "compile": t.compile}
+    if not hasattr(p, "ep"):  # a trainer without expert parallelism: price ep = 1 only
+        fixed["ep"] = 1
     try:
         ranked = search(arch, cluster, world, t.global_batch, t.seq_len, fixed, top=top)
     finally:
         stop_profiling()  # this-host's profiling processes: not beside the run's ranks
-    saved = {k: getattr(p, k) for k in LAYOUT_FIELDS}
+    saved = {k: getattr(p, k) for k in _fields(p)}
     reasons: list[str] = []
     for pred in ranked:
-        for key, value in _settings(pred).items():
+        for key, value in _settings(pred, p).items():
             setattr(p, key, value)
         try:
             validate(config)

@@ -18,12 +18,12 @@ from .step import predict
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``meshtrain plan`` options."""
     parser.add_argument("--model", required=True, help="a model preset (meshtrain's or llama3-8b/70b/405b, "
-                        "gpt-175b) or a JSON file of LlamaConfig fields")
+                        "gpt-175b, qwen3-30b-a3b, deepseek-v3) or a JSON file of LlamaConfig fields")
     parser.add_argument("--cluster", required=True, help="h100, h200, a100, h100-gt500, this-host, or a TOML file")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) in all")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--layout", action="append", help="e.g. dp=32,tp=8 or dp=8,tp=8,pp=8,m=16,v=2,interleaved "
-                       "(repeat to compare several)")
+                       "or, for a mixture of experts, dp=16,ep=8 (repeat to compare several)")
     group.add_argument("--search", action="store_true", help="enumerate layouts and rank those that fit")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")

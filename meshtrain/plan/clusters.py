@@ -56,6 +56,13 @@ class Cluster:
     """Fraction of hbm_bandwidth that element-wise kernels reach."""
     fp8_speedup: float = 1.0
     """Speed-up of the linear layers' matmuls under float8 (1.0: the GPU has no fp8)."""
+    gemm_k0: float = 0.0
+    """A GEMM's fixed cost per output tile in reduction-dimension elements, at fp8: a GEMM whose
+    reduction dimension is K runs at K / (K + k0) of the long-K rate (bf16: k0 / fp8_speedup, the
+    main loop being that much slower per K). Applied to the grouped expert GEMMs only (``moe.py``);
+    0: not modelled. Hopper: 720, fitted to DeepGEMM's published H800 FP8 table (README, 2025-02-25:
+    4096-row GEMMs at K = 512, 1536, 2048, 7168, 16384 reach 590, 990, 1025-1099, 1288-1304, 1358
+    TFLOPS), nothing else."""
     eager_elementwise_passes: float = 3.0
     """How many times more memory traffic eager element-wise ops move than fused (compiled) ones."""
     reserved_bytes: float = 2 * GiB
@@ -106,12 +113,12 @@ PRESETS: dict[str, Cluster] = {
     # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~45 GB/s achieved).
     "h100": _gpu("h100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=3.35e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
-                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6,
+                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6, gemm_k0=720,
                  notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
     "h200": _gpu("h200", gpus_per_node=8, memory_bytes=141e9, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=4.8e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
-                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6,
+                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6, gemm_k0=720,
                  notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
     # A100 SXM4 80 GB: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s; NVLink 3 (~230 GB/s busbw) and one
     # 200 Gb/s HDR NIC per GPU (~22.5 GB/s achieved). No fp8.
@@ -125,7 +132,7 @@ PRESETS: dict[str, Cluster] = {
     "h100-gt500": _gpu("h100-gt500", gpus_per_node=8, memory_bytes=96 * GiB, peak_flops=989e12,
                        fp32_flops=67e12, hbm_bandwidth=2.4e12, intra=Level(10e-6, 360e9),
                        inter=Level(20e-6, 45e9), matmul_efficiency=0.55, attention_efficiency=0.4,
-                       fp8_speedup=1.6, notes="Grand Teton H100 96GB HBM2e at 500 W"),
+                       fp8_speedup=1.6, gemm_k0=720, notes="Grand Teton H100 96GB HBM2e at 500 W"),
 }
 
 

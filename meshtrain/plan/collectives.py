@@ -8,7 +8,8 @@ each node on ``intra``, a ring of nodes on ``inter``, one NIC per GPU so every r
 parallel). ``auto`` is the cheapest of them: what ``select.choose`` does from its cost model; on
 NCCL clusters it takes NCCL's native collectives, whose ring/tree choice these same formulas
 describe (NCCL's hierarchies serve all-reduce only: its reduce-scatter and all-gather cross nodes
-as rings). The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in ``meshtrain.mesh``.
+as rings). The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in
+``meshtrain.mesh`` (Megatron's pipeline-outermost order on request, to price its runs).
 """
 
 from __future__ import annotations
@@ -23,8 +24,18 @@ from .layout import Layout
 FLAT = {"all_reduce": ("ring", "tree", "halving_doubling", "recursive_doubling"),
         "all_gather": ("ring", "recursive_doubling"),
         "reduce_scatter": ("ring",)}
-ORDER = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
-"""The mesh's axes, slowest first (``meshtrain.mesh``); "dp" is dp_replicate x dp_shard."""
+ORDER = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "pp", "cp", "tp")
+"""The mesh's axes, slowest first (``meshtrain.mesh``): dp_shard is cut into the part outside and the
+part inside an expert-parallel group (both 1 and dp_shard without ep)."""
+MEGATRON_ORDER = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+"""Megatron-LM's order (tp-cp-ep-dp-pp, pipeline outermost), for ``rank_order="megatron"``."""
+GROUPS = {"dp": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"),
+          "dp_shard": ("dp_shard_mod_ep", "dp_shard_in_ep"),
+          "ep": ("dp_shard_in_ep", "cp"),
+          "edp": ("dp_replicate", "dp_shard_mod_ep", "tp"),
+          "edp_shard": ("dp_shard_mod_ep", "tp")}
+"""Names of groups spanning several axes: dp (the batch rows), dp_shard (ZeRO's dp part), ep (the
+expert-parallel group), edp / edp_shard (the experts' data-parallel group and its ZeRO shards)."""
 
 
 @dataclass(frozen=True)
@@ -42,16 +53,32 @@ class Group:
 
 
 def group_of(layout: Layout, cluster: Cluster, dims: tuple[str, ...]) -> Group:
-    """The group of mesh dimensions ``dims`` (e.g. ("tp",), ("dp", "cp")): its size and members per node."""
+    """The group of mesh dimensions ``dims`` (e.g. ("tp",), ("dp", "cp"), ("ep",)): its size and
+    members per node."""
+    if layout.rank_order == "megatron" and dims in (("ep",), ("edp",), ("edp_shard",)):
+        return _megatron_expert_group(layout, cluster, dims[0])
     size, local = 1, 1
-    dims = tuple(a for d in dims for a in (("dp_replicate", "dp_shard") if d == "dp" else (d,)))
+    order = MEGATRON_ORDER if layout.rank_order == "megatron" else ORDER
+    dims = tuple(a for d in dims for a in GROUPS.get(d, (d,)))
     for d in dims:
         deg = getattr(layout, d)
-        inner = math.prod(getattr(layout, e) for e in ORDER[ORDER.index(d) + 1:])
+        inner = math.prod(getattr(layout, e) for e in order[order.index(d) + 1:])
         # members of this dimension sit ``inner`` ranks apart; a node holds gpus_per_node ranks
         local *= max(1, min(deg, cluster.gpus_per_node // inner)) if inner < cluster.gpus_per_node else 1
         size *= deg
     return Group(size, min(local, size))
+
+
+def _megatron_expert_group(layout: Layout, cluster: Cluster, dim: str) -> Group:
+    """An expert group in Megatron's expert mesh ("parallel folding" with expert tensor parallelism
+    1: its own order etp-ep-dp-pp), where each ep group is ep consecutive ranks and the experts'
+    data-parallel replicas sit ep ranks apart."""
+    per_node = cluster.gpus_per_node
+    if dim == "ep":
+        return Group(layout.ep, max(1, min(layout.ep, per_node)))
+    size = layout.expert_shards * (layout.dp_replicate if dim == "edp" else 1)
+    local = max(1, min(size, per_node // layout.ep)) if layout.ep < per_node else 1
+    return Group(size, local)
 
 
 def _model(level: Level, cluster: Cluster) -> CostModel:

@@ -44,24 +44,44 @@ class StageCompute:
 
 def model_flops_per_token(arch: Arch, seq: int) -> float:
     """Training FLOPs per token for MFU: 6N + 12·L·d·S (meshtrain's ``flops_per_token``, the PaLM
-    and torchtitan convention: attention counted as if not causal, recomputation not counted)."""
-    return flops_per_token(arch, arch.flop_params(), seq)  # type: ignore[arg-type]  # reads n_layers, dim
+    and torchtitan convention: attention counted as if not causal, recomputation not counted). N is
+    the active parameters of a MoE model; attention's d is (q width + output width) / 2, which is d
+    unless heads are wider than d / n_heads (Qwen3) or queries and values differ (MLA)."""
+    if arch.q_dim == arch.dim == arch.o_dim:
+        return flops_per_token(arch, arch.flop_params(), seq)  # type: ignore[arg-type]  # reads n_layers, dim
+    return 6.0 * arch.flop_params() + 6.0 * arch.n_layers * (arch.q_dim + arch.o_dim) * seq
 
 
-def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int) -> tuple[float, float, float]:
-    """Forward seconds of one block on ``tokens`` tokens of this rank: (matmul, attention, element-wise)."""
+def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int,
+                        moe: bool = False) -> tuple[float, float, float]:
+    """Forward seconds of one block (a MoE block if ``moe``) on ``tokens`` tokens of this rank:
+    (matmul, attention, element-wise)."""
     peak = cluster.per_rank_peak(layout.world, layout.precision)
-    mm_flops = 2.0 * arch.matmul_params_per_layer() / layout.tp * tokens
+    # a MoE block's active weights: each tp rank routes 1/tp of the tokens to top_k whole experts,
+    # so its routed FLOPs split over tp like the tp-split attention and shared experts
+    mm_flops = 2.0 * arch.active_matmul_params_per_layer(moe) / layout.tp * tokens
+    if moe:  # the routed experts' grouped GEMMs run slower than large GEMMs (small reduction dims)
+        from .moe import grouped_gemm_slowdown  # moe builds on this module
+
+        routed = 2.0 * arch.moe_top_k * arch.routed_share() * arch.expert_params() / layout.tp * tokens
+        mm_flops += routed * (grouped_gemm_slowdown(arch, layout, cluster, tokens) - 1.0)
     mm_rate = peak * cluster.matmul_efficiency * (cluster.fp8_speedup if layout.precision == "fp8" else 1.0)
-    # causal: each query attends to half the keys on average; QK^T and AV are 2·S·d FLOPs each
-    # per token when not causal. With cp each rank holds S/cp queries against all S keys.
-    attn_flops = 2.0 * seq * arch.dim / layout.tp * tokens
+    # causal: each query attends to half the keys on average; QK^T and AV are 2·S·q and 2·S·o FLOPs
+    # per token when not causal (q = o = d but for wide heads or MLA). With cp each rank holds S/cp
+    # queries against all S keys.
+    attn_flops = seq * (arch.q_dim + arch.o_dim) / layout.tp * tokens
     attn_rate = peak * cluster.attention_efficiency
     act = ACT_BYTES[layout.precision]
     # residual-stream ops (2 norms read+write, 2 residual adds read 2 write 1) are split over tp
     # only with sequence parallelism; the head-split ones (rotary on q and k, SwiGLU) always are.
     stream = 10 * arch.dim / (layout.tp if layout.sp else 1)
-    split = (2 * (arch.dim + arch.kv_dim) + (3 if arch.gated_mlp else 2) * arch.ffn_dim) / layout.tp
+    split = 2 * (arch.q_dim + arch.kv_dim) / layout.tp
+    if moe:
+        from .moe import moe_elementwise  # moe builds on this module
+
+        split += moe_elementwise(arch, layout)
+    else:
+        split += (3 if arch.gated_mlp else 2) * arch.ffn_dim / layout.tp
     passes = 1.0 if layout.compile else cluster.eager_elementwise_passes
     elem_bytes = (stream + split) * act * passes * tokens
     elem_rate = cluster.per_rank_bandwidth(layout.world)
@@ -93,12 +113,26 @@ def _pipeline_share(layout: Layout, cores: int) -> float:
     return max(1.0, busy / cores) / (layout.world / cores)
 
 
+def _mean_block(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int) -> tuple[float, float, float]:
+    """(matmul, attention, element-wise) forward seconds of the busiest stage's mean block: its
+    dense and MoE blocks mixed (all dense for a dense model)."""
+    from .moe import stage_layer_mix  # moe builds on this module
+
+    n_dense, n_moe = stage_layer_mix(arch, layout)
+    dense = layer_forward_parts(arch, layout, cluster, tokens, seq)
+    if n_moe == 0:
+        return dense
+    moe = layer_forward_parts(arch, layout, cluster, tokens, seq, moe=True)
+    mean = tuple((n_dense * d + n_moe * m) / (n_dense + n_moe) for d, m in zip(dense, moe))
+    return mean  # type: ignore[return-value]
+
+
 def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs: int, seq: int) -> StageCompute:
     """Forward, backward and recompute seconds of one micro-batch on the busiest stage (the last:
     its blocks plus the head)."""
     tokens = microbatch_seqs * seq // layout.cp
-    mm, attn, elem = layer_forward_parts(arch, layout, cluster, tokens, seq)
     n = stage_layers(arch, layout)
+    mm, attn, elem = _mean_block(arch, layout, cluster, tokens, seq)
     fwd_layer = mm + attn + elem
     bwd_layer = 2 * mm + 2.5 * attn + 2 * elem
     head_f = head_forward(arch, layout, cluster, tokens)

@@ -1,5 +1,6 @@
-"""A layout: the (dp, pp, cp, tp) degrees plus the settings that change its cost (micro-batches,
-pipeline schedule, ZeRO stage, activation checkpointing, precision), parsed and validated.
+"""A layout: the (dp, pp, cp, tp) degrees, expert parallelism (ep) carved out of dp_shard x cp, plus
+the settings that change its cost (micro-batches, pipeline schedule, ZeRO stage, activation
+checkpointing, precision), parsed and validated.
 
 Validation raises ConfigError with the nearest valid choice, so the CLI can print it and exit 2.
 """
@@ -16,6 +17,9 @@ AC_MODES = ("none", "selective", "op", "full")
 """none; selective: meshtrain's (every 2nd block fully checkpointed); op: torchtitan's selective op
 (matmul and attention outputs kept, element-wise ops recomputed); full: every block recomputed."""
 PRECISIONS = ("fp32", "bf16", "fp8")
+RANK_ORDERS = ("meshtrain", "megatron")
+"""meshtrain: ranks laid out (dp, pp, cp, tp), tp innermost (``meshtrain.mesh``); megatron: pipeline
+outermost (Megatron-LM's tp-cp-ep-dp-pp), for pricing its published runs."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,14 @@ class Layout:
     dp_replicate: int = 1
     """Of dp, the replicas of ZeRO's shards (HSDP): ZeRO shards over dp / dp_replicate x cp and
     all-reduces each shard's gradient over the replicas."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): the routed experts split over ep ranks carved out of
+    dp_shard x cp (a multiple of cp dividing dp_shard x cp); adds no ranks."""
+    ep_overlap: bool = False
+    """The ep all-to-alls hidden behind another micro-batch's compute, as Megatron's
+    ``overlap_moe_expert_parallel_comm`` does; meshtrain does not. For pricing a peer's run."""
+    rank_order: str = "meshtrain"
+    """How ranks map to nodes: meshtrain's (dp, pp, cp, tp) or Megatron's pipeline-outermost order."""
     overlap_param_gather: bool = False
     """ZeRO-1/2's all-gather of the updated weights done in the compute dtype behind the next step's
     forward, bucket by bucket, as Megatron's distributed optimizer does with
@@ -51,6 +63,27 @@ class Layout:
     def dp_shard(self) -> int:
         """The dp ranks one ZeRO shard group holds (dp / dp_replicate)."""
         return self.dp // self.dp_replicate
+
+    @property
+    def ep_in_dp(self) -> int:
+        """The part of ep taken from dp_shard (the rest of ep is the whole cp group)."""
+        return self.ep // self.cp if self.ep > 1 else 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """Mesh axis: the dp_shard ranks inside one expert-parallel group."""
+        return self.ep_in_dp
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """Mesh axis: the dp_shard ranks outside an expert-parallel group (experts' ZeRO shards)."""
+        return max(1, self.dp_shard // self.ep_in_dp)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks ZeRO shards the experts over: (dp_shard x cp / ep) x tp, their expert-data-parallel
+        shard group (tp ranks hold the same experts: experts are not tensor-parallel)."""
+        return self.dp_shard_mod_ep * self.tp
 
     @property
     def zero_shards(self) -> int:
@@ -74,6 +107,12 @@ class Layout:
             parts += [f"m={self.microbatches}", self.schedule] + ([f"v={self.virtual}"] if self.virtual > 1 else [])
         elif self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.ep_overlap and self.ep > 1:
+            parts.append("epo=1")
+        if self.rank_order != "meshtrain":
+            parts.append(f"order={self.rank_order}")
         if self.dp_replicate > 1:
             parts.append(f"rep={self.dp_replicate}")
         if self.overlap_param_gather and self.zero_stage in (1, 2):
@@ -85,7 +124,8 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "v": "virtual", "virtual": "virtual", "zero": "zero_stage", "zero_stage": "zero_stage", "ac": "ac",
          "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel", "rep": "dp_replicate",
          "dp_replicate": "dp_replicate", "opg": "overlap_param_gather",
-         "overlap_param_gather": "overlap_param_gather"}
+         "overlap_param_gather": "overlap_param_gather", "ep": "ep", "epo": "ep_overlap", "ep_overlap": "ep_overlap",
+         "order": "rank_order", "rank_order": "rank_order"}
 
 
 def parse_layout(text: str, **defaults) -> Layout:
@@ -101,9 +141,9 @@ def parse_layout(text: str, **defaults) -> Layout:
             raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write key=value with keys "
                               f"{', '.join(sorted(set(_KEYS)))}, e.g. dp=32,tp=8")
         field = _KEYS[key]
-        if field in ("ac", "schedule", "precision"):
+        if field in ("ac", "schedule", "precision", "rank_order"):
             values[field] = raw
-        elif field in ("sequence_parallel", "overlap_param_gather"):
+        elif field in ("sequence_parallel", "overlap_param_gather", "ep_overlap"):
             flag = raw.lower()
             if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                 raise ConfigError(f"--layout {text!r}: {key} takes 1 or 0 (true/false, on/off), got {raw!r}")
@@ -117,8 +157,40 @@ def parse_layout(text: str, **defaults) -> Layout:
 
 
 def tp_splits(arch: Arch, tp: int) -> bool:
-    """True if tp splits the heads, the kv heads and the MLP width evenly (as meshtrain requires)."""
-    return arch.n_heads % tp == 0 and arch.n_kv_heads % tp == 0 and arch.ffn_dim % tp == 0
+    """True if tp splits the heads, the kv heads and the MLP width (and the shared experts' width)
+    evenly (as meshtrain requires); routed experts are not tensor-parallel."""
+    return arch.n_heads % tp == 0 and arch.n_kv_heads % tp == 0 and arch.ffn_dim % tp == 0 and \
+        arch.shared_ffn % tp == 0
+
+
+def ep_choices(arch: Arch, layout: Layout) -> list[int]:
+    """Every valid ep for ``layout``'s other degrees: a multiple of cp dividing dp_shard x cp and the
+    number of routed experts (just 1 for a dense model)."""
+    if not arch.is_moe:
+        return [1]
+    room = layout.dp_shard * layout.cp
+    return [e for e in range(1, room + 1) if room % e == 0 and arch.n_experts % e == 0 and
+            (e == 1 or e % layout.cp == 0)]
+
+
+def validate_ep(layout: Layout, arch: Arch) -> None:
+    """Raise ConfigError naming the valid choices if ``layout.ep`` cannot split ``arch``'s experts."""
+    if layout.ep < 1:
+        raise ConfigError(f"layout ep={layout.ep} must be >= 1")
+    if layout.ep == 1:
+        return
+    if not arch.is_moe:
+        raise ConfigError(f"ep={layout.ep} needs a mixture-of-experts model; {arch.name} is dense (no routed "
+                          f"experts): use ep=1")
+    ok = ep_choices(arch, layout)
+    if arch.n_experts % layout.ep:
+        raise ConfigError(f"ep={layout.ep} does not divide {arch.n_experts} experts; use ep in {ok}")
+    if layout.ep % layout.cp:
+        raise ConfigError(f"ep={layout.ep} is not a multiple of cp={layout.cp} (an expert-parallel group spans "
+                          f"the whole cp group); use ep in {ok}")
+    if (layout.dp_shard * layout.cp) % layout.ep:
+        raise ConfigError(f"ep={layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x {layout.cp} "
+                          f"(ep is carved out of them and adds no GPUs); use ep in {ok}")
 
 
 def _nearest_dp(layout: Layout, gpus: int) -> str:
@@ -143,6 +215,8 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
                           f"that fills them: {_nearest_dp(layout, gpus)}")
     if layout.ac not in AC_MODES:
         raise ConfigError(f"ac={layout.ac!r}: choose one of {', '.join(AC_MODES)}")
+    if layout.rank_order not in RANK_ORDERS:
+        raise ConfigError(f"order={layout.rank_order!r}: choose one of {', '.join(RANK_ORDERS)}")
     if layout.precision not in PRECISIONS:
         raise ConfigError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if layout.zero_stage not in (0, 1, 2, 3):
@@ -153,6 +227,7 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         ok = [t for t in range(1, arch.n_kv_heads + 1) if tp_splits(arch, t)]
         raise ConfigError(f"tp={layout.tp} does not split {arch.n_heads} heads / {arch.n_kv_heads} kv heads; "
                           f"valid tp: {ok}")
+    validate_ep(layout, arch)
     if layout.pp * layout.virtual > arch.n_layers:
         raise ConfigError(f"pp*v = {layout.pp * layout.virtual} stages for {arch.n_layers} layers; use pp*v <= "
                           f"{arch.n_layers}")

@@ -11,6 +11,10 @@ bytes for GPT without parallelism, redone for what meshtrain's block keeps with 
 parallelism), q, k, v and the attention output (2h + 2·kv), and the MLP's inputs to its last matrix
 (3·ffn for SwiGLU, 2·ffn for GELU), split over tp; times the activation's bytes. For GPT-3 this is
 32h bytes per token, Korthikanti's 34h without the dropout masks.
+
+A mixture-of-experts model's routed experts are held E/ep per rank, whole (not tp-split), and ZeRO
+shards them over their own group, (dp_shard x cp / ep) x tp; its MoE layers keep, per routed row,
+the dispatched input, the experts' SwiGLU inputs and their outputs (``moe.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from functools import lru_cache
 
 from ..parallel.pipeline.schedule import Action, build_schedule, peak_in_flight
 from .architectures import Arch
-from .compute import ACT_BYTES, stage_layers
+from .compute import ACT_BYTES
 from .layout import Layout
+from .moe import block_param_split, moe_activations, stage_layer_mix, stage_param_split
 
 MASTER, GRAD, ADAM = 4, 4, 8
 BUCKET_CAP = 25 * 2**20
@@ -54,18 +59,25 @@ class MemoryBreakdown:
 
 def stage_params(arch: Arch, layout: Layout) -> float:
     """Parameters one rank holds before ZeRO: the busiest stage's blocks, plus the embedding and the
-    head on the stages that hold them, split over tp."""
-    blocks = stage_layers(arch, layout) * arch.params_per_layer()
-    ends = arch.embedding_params() + arch.head_params() if layout.pp == 1 else \
-        max(arch.embedding_params(), arch.head_params())
-    return (blocks + ends) / layout.tp
+    head on the stages that hold them, split over tp (a MoE model's routed experts over ep instead:
+    ``moe.stage_param_split``)."""
+    return sum(stage_param_split(arch, layout))
 
 
-def activation_bytes_per_token(arch: Arch, layout: Layout) -> float:
-    """Bytes one block keeps for backward per token on this rank, without checkpointing."""
+def activation_bytes_per_token(arch: Arch, layout: Layout, moe: bool = False) -> float:
+    """Bytes one block (a MoE block if ``moe``) keeps for backward per token on this rank, without
+    checkpointing."""
     stream = 4 * arch.dim / (layout.tp if layout.sp else 1)
-    split = (2 * arch.dim + 2 * arch.kv_dim + (3 if arch.gated_mlp else 2) * arch.ffn_dim) / layout.tp
+    split = (arch.q_dim + arch.o_dim + 2 * arch.kv_dim) / layout.tp
+    split += moe_activations(arch, layout)[0] if moe else (3 if arch.gated_mlp else 2) * arch.ffn_dim / layout.tp
     return (stream + split) * ACT_BYTES[layout.precision]
+
+
+def _op_recomputed_bytes_per_token(arch: Arch, layout: Layout, moe: bool) -> float:
+    """Of a block's activations, the element-wise outputs ``op`` checkpointing recomputes: the norms'
+    outputs and the SwiGLU products."""
+    mlp = moe_activations(arch, layout)[1] if moe else arch.ffn_dim / layout.tp
+    return (2 * arch.dim / (layout.tp if layout.sp else 1) + mlp) * ACT_BYTES[layout.precision]
 
 
 def block_input_bytes_per_token(arch: Arch, layout: Layout) -> float:
@@ -93,31 +105,39 @@ def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int
     """Activation bytes at the rank's peak: stored blocks for the micro-batches in flight, one block
     being recomputed (checkpointing), and the last stage's fp32 logits and their gradient."""
     tokens = microbatch_seqs * seq / layout.cp
-    n = stage_layers(arch, layout)
-    full = activation_bytes_per_token(arch, layout)
     inp = block_input_bytes_per_token(arch, layout)
-    # "op": element-wise results are recomputed, so the norms' outputs and SwiGLU's product are not kept
-    op = full - (2 * arch.dim / (layout.tp if layout.sp else 1) + arch.ffn_dim / layout.tp) * ACT_BYTES[layout.precision]
-    per_layer = {"none": full, "op": op, "full": inp, "selective": (full + inp) / 2}[layout.ac]
-    transient = full if layout.ac in ("full", "selective") else 0.0
+    stored, transient = 0.0, 0.0
+    for count, moe in zip(stage_layer_mix(arch, layout), (False, True)):
+        if not count:
+            continue
+        full = activation_bytes_per_token(arch, layout, moe)
+        # "op": element-wise results are recomputed, so the norms' outputs and SwiGLU's product are not kept
+        op = full - _op_recomputed_bytes_per_token(arch, layout, moe)
+        stored += count * {"none": full, "op": op, "full": inp, "selective": (full + inp) / 2}[layout.ac]
+        transient = max(transient, full if layout.ac in ("full", "selective") else 0.0)
     flight = microbatches_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
     logits = 2 * 4 * arch.vocab_size / layout.tp
-    return tokens * (flight * n * per_layer + transient + logits)
+    return tokens * (flight * stored + transient + logits)
 
 
 def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> MemoryBreakdown:
     """Peak bytes of one rank under ``layout``."""
-    p = stage_params(arch, layout)
-    shard = layout.zero_shards  # meshtrain's ZeRO shards over dp_shard x cp (HSDP: dp_replicate copies)
+    dense, experts = stage_param_split(arch, layout)
     z = layout.zero_stage
-    params = p * MASTER / (shard if z >= 3 else 1)
-    grads = p * GRAD / (shard if z >= 2 else 1)
-    optimizer = p * ADAM / (shard if z >= 1 else 1)
-    block = arch.params_per_layer() / layout.tp
+
+    def sharded(nbytes: float, stage: int) -> float:
+        """Bytes per rank of a state ZeRO shards from ``stage`` on: dense parameters over dp_shard x
+        cp (HSDP: dp_replicate copies), experts over their (dp_shard x cp / ep) x tp shard group."""
+        if z < stage:
+            return nbytes * (dense + experts)
+        return nbytes * (dense / layout.zero_shards + experts / layout.expert_shards)
+
+    params, grads, optimizer = sharded(MASTER, 3), sharded(GRAD, 2), sharded(ADAM, 1)
+    block = sum(block_param_split(arch, layout))
     if z >= 3:  # one block gathered for compute, the next prefetched, the current block's full gradient
         buffers = 2 * block * MASTER + block * GRAD
     else:  # autocast's low-precision copy of the weights in use (the gradients are the buckets)
-        buffers = p * 2 if layout.precision != "fp32" else 0.0
+        buffers = (dense + experts) * 2 if layout.precision != "fp32" else 0.0
     act = activation_memory(arch, layout, microbatch_seqs, seq)
     return MemoryBreakdown(params, grads, optimizer, act, buffers)
 

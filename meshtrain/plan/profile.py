@@ -83,8 +83,10 @@ def _median_times(forward: Callable[[], Any], budget: float = 0.4, most: int = 6
 
 
 def profileable(arch: Arch, tp: int, tokens: int) -> bool:
-    """True if a rank's block is a meshtrain Llama block small enough to time quickly."""
-    return arch.gated_mlp and 2.0 * arch.matmul_params_per_layer() / tp * tokens <= MAX_PROFILED_FLOPS
+    """True if a rank's block is a dense meshtrain Llama block small enough to time quickly (MoE,
+    MLA and wide-head blocks take the roofline: the profiler builds dense blocks)."""
+    dense_llama = arch.gated_mlp and not arch.is_moe and arch.mla is None and arch.q_dim == arch.dim
+    return dense_llama and 2.0 * arch.matmul_params_per_layer() / tp * tokens <= MAX_PROFILED_FLOPS
 
 
 def _measured(fn: Callable[..., Any], copies: int, *args: Any) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .step import Prediction
 
-PARTS = ("compute", "tp", "cp", "pp", "dp", "bubble", "optimizer", "sync")
+PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble", "optimizer", "sync")
 GiB = 2**30
 
 

@@ -3,9 +3,11 @@
 For each (tp, cp, pp, dp) that divides the GPUs (tp inside a node and splitting the heads, cp
 dividing the sequence, pp at most the layers, dp dividing the batch), a few micro-batch counts,
 the pipeline schedules, every ZeRO stage and, with ZeRO, HSDP replica counts whose shard groups
-span 1, 2 or 4 nodes are tried; activation checkpointing is the least
-recomputation that fits (none, selective, full: each saves memory at more compute; torchtitan's
-"op" only when asked), unless the caller fixed it. Settings the caller fixes (precision, ac, zero stage, schedule) are kept.
+span 1, 2 or 4 nodes are tried, and for a mixture-of-experts model every expert-parallel degree ep
+the layout allows (a multiple of cp dividing dp_shard x cp and the number of experts); activation
+checkpointing is the least recomputation that fits (none, selective, full: each saves memory at
+more compute; torchtitan's "op" only when asked), unless the caller fixed it. Settings the caller
+fixes (precision, ac, zero stage, schedule, ep) are kept.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from .architectures import Arch
 from .clusters import Cluster
-from .layout import AC_MODES, Layout, tp_splits
+from .layout import AC_MODES, Layout, ep_choices, tp_splits
 from .step import Prediction, predict
 
 
@@ -68,8 +70,11 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                                 ([0, 1, 2, 3] if dp * cp > 1 else [0])
                             for z in zeros:
                                 for rep in _replicas(dp, tp * pp * cp, cluster.gpus_per_node) if z else [1]:
-                                    yield replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
-                                                  schedule=sched, zero_stage=z, dp_replicate=rep)
+                                    layout = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
+                                                     schedule=sched, zero_stage=z, dp_replicate=rep, ep=1)
+                                    eps = [fixed["ep"]] if "ep" in fixed else ep_choices(arch, layout)
+                                    for ep in eps:
+                                        yield replace(layout, ep=ep)
 
 
 def search(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int, fixed: dict | None = None,

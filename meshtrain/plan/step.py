@@ -4,7 +4,8 @@ bubble; with memory per rank and MFU, as a ``Prediction``.
 Per micro-batch on the busiest stage: compute (``compute.stage_compute``), tensor-parallel
 collectives (2 all-gathers + 2 reduce-scatters per block each way with sequence parallelism, 2
 all-reduces without; recomputation repeats the forward's), ring-attention K/V exchange (each of cp-1
-steps hidden behind that step's attention when shorter) and the pipeline send to the next stage.
+steps hidden behind that step's attention when shorter), the pipeline send to the next stage and,
+for a mixture of experts, the ep all-to-alls of its MoE layers (``moe.py``).
 Those per-action times go through the schedule simulator (``simulate``), whose makespan minus the
 busy time is the bubble. Data-parallel / ZeRO collectives of the stage's parameters hide behind the
 backward (ZeRO-3's gathers behind the forward too), except the last layer's share; the exposed rest
@@ -25,6 +26,7 @@ from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_p
 from .layout import Layout, validate
 from .memory import (BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, built_schedule, memory_per_rank, peer_gradient_bytes,
                      stage_params)
+from .moe import ep_exposed, ep_times, stage_layer_mix, stage_param_split
 from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .profile_parallel import collective_latency
 
@@ -36,7 +38,7 @@ class Prediction:
     layout: Layout
     step_time: float
     parts: dict[str, float]
-    """Seconds: compute, tp, cp, pp, dp (exposed communication per dimension), bubble, optimizer, and
+    """Seconds: compute, tp, cp, pp, ep, dp (exposed communication per dimension), bubble, optimizer, and
     sync (this host: the step's small collectives' measured fixed cost; 0 elsewhere)."""
     memory: MemoryBreakdown
     capacity: float
@@ -95,8 +97,12 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         ar, algos["tp all_reduce"] = collective("all_reduce", h_bytes, tp_group, cluster)
         per_pass = 2 * ar
     recompute_share = {"none": 0.0, "op": 0.0, "selective": 0.5, "full": 1.0}[layout.ac]
-    tp_f = sc.layers * per_pass
-    tp_b = sc.layers * per_pass * (1 + recompute_share)
+    # a MoE block with SP routes its own 1/tp of the tokens: only attention (and tp-split shared
+    # experts) gather and scatter; without SP it all-reduces twice like a dense block
+    n_dense, n_moe = stage_layer_mix(arch, layout)
+    moe_share = (1 + (arch.shared_ffn > 0)) / 2 if layout.sp else 1.0
+    tp_f = (n_dense + n_moe * moe_share) * per_pass
+    tp_b = tp_f * (1 + recompute_share)
 
     # context parallel: cp-1 ring steps of this rank's K and V (and dK, dV back in backward)
     cp_f = cp_b = 0.0
@@ -117,20 +123,23 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         pp_f = pp_b = send * layout.virtual
         algos["pp"] = "p2p"
 
+    # expert parallelism: the MoE layers' token all-to-alls (exposed unless a peer's overlap hides them)
+    ep_f, ep_b = ep_exposed(layout, *ep_times(arch, layout, cluster, tokens, algos), sc.forward, sc.backward)
+
     # a block timed with its collectives (this-host) already holds tp and cp: the breakdown below
     # still shows their analytic share, taken out of compute
     inner_f, inner_b = (0.0, 0.0) if sc.comm_measured else (tp_f + cp_f, tp_b + cp_b)
-    f = sc.forward + inner_f + pp_f
-    b = sc.backward + inner_b + pp_b
+    f = sc.forward + inner_f + pp_f + ep_f
+    b = sc.backward + inner_b + pp_b + ep_b
     makespan = pipeline_time(layout, f, b)
     m = layout.microbatches
     busy = m * (f + b)
 
     # data parallel / ZeRO over dp x cp, on this rank's stage parameters
-    dp_exposed, opt_params = _data_parallel(arch, cluster, layout, sc, f - pp_f, b - pp_b, algos)
+    dp_exposed, opt_params = _data_parallel(arch, cluster, layout, sc, f - pp_f - ep_f, b - pp_b - ep_b, algos)
     # AdamW: read params, grads, two moments; write params and moments (fp32) at memory speed
     optimizer = opt_params * 28 / cluster.per_rank_bandwidth(layout.world)
-    if cluster.profile_compute:  # a host's AdamW loops over tensors: per-tensor overhead, so time it
+    if cluster.profile_compute and not arch.is_moe:  # a host's AdamW loops over tensors: time it
         sizes = stage_tensor_sizes(arch, layout.tp, sc.layers, layout.zero_shards, layout.zero_stage)
         if sum(sizes) <= MAX_PROFILED_ELEMENTS:
             optimizer = optimizer_seconds(sizes, threads_per_rank(layout.world), layout.world)
@@ -138,8 +147,9 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     sync = _step_collectives(arch, cluster, layout, sc) if cluster.profile_compute and layout.world > 1 else 0.0
     step = makespan + dp_exposed + optimizer + sync
     shown = m * (tp_f + tp_b + cp_f + cp_b) if sc.comm_measured else 0.0
-    parts = {"compute": max(0.0, m * (sc.forward + sc.backward) - shown), "tp": m * (tp_f + tp_b), "cp": m * (cp_f + cp_b),
-             "pp": m * (pp_f + pp_b), "dp": dp_exposed, "bubble": max(0.0, makespan - busy), "optimizer": optimizer, "sync": sync}
+    parts = {"compute": max(0.0, m * (sc.forward + sc.backward) - shown), "tp": m * (tp_f + tp_b),
+             "cp": m * (cp_f + cp_b), "pp": m * (pp_f + pp_b), "ep": m * (ep_f + ep_b), "dp": dp_exposed,
+             "bubble": max(0.0, makespan - busy), "optimizer": optimizer, "sync": sync}
     mem = memory_per_rank(arch, layout, mb, seq)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
         mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * act)
@@ -153,41 +163,61 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
 
 def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,
                    algos: dict[str, str]) -> tuple[float, float]:
-    """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates)."""
-    p = stage_params(arch, layout)
-    if layout.dp * layout.cp == 1:
-        return 0.0, p
+    """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates). Dense
+    parameters reduce over dp x cp (ZeRO shards over dp_shard x cp); a MoE model's routed experts
+    over their expert-data-parallel group, (dp x cp / ep) x tp (shards over dp_shard x cp / ep x tp),
+    each with its own collectives, one after the other in the same windows."""
+    dense, experts = stage_param_split(arch, layout)
+    # (parameters, all-reduce group, ZeRO shard group, replica group, shard size, label prefix)
+    sets = [(dense, ("dp", "cp"), ("dp_shard", "cp"), ("dp_replicate",), layout.zero_shards, "dp")]
+    if experts:
+        sets.append((experts, ("edp",), ("edp_shard",), ("dp_replicate",), layout.expert_shards, "edp"))
     z = layout.zero_stage
     layers = max(sc.layers, 1)
-    if z == 0:  # every dp x cp rank a replica: one all-reduce, bucketed behind the backward
-        g = group_of(layout, cluster, ("dp", "cp"))
-        t, algos["dp all_reduce"] = collective("all_reduce", p * GRAD, g, cluster)
-        return max(0.0, t - b) + t / layers, p
-    shard = layout.zero_shards
-    g = group_of(layout, cluster, ("dp_shard", "cp"))
-    rs, algos["dp reduce_scatter"] = collective("reduce_scatter", p * GRAD, g, cluster)
-    # HSDP: each shard's gradient is then all-reduced over the replicas, at the step (exposed)
-    rep_t = 0.0
-    if layout.dp_replicate > 1:
-        rep_t, algos["dp_replicate all_reduce"] = collective(
-            "all_reduce", p * GRAD / shard, group_of(layout, cluster, ("dp_replicate",)), cluster)
-    compute_weights = p * (MASTER if layout.precision == "fp32" else 2)  # the weights in the compute dtype
-    if z in (1, 2):  # gradients reduce-scatter behind the last backward, then the updated weights are
-        # gathered: in fp32 after the step, or (a peer's opg) in the compute dtype behind the next forward
+    rs = ag = ag_opg = rep_t = ar = 0.0
+    opt_params = 0.0
+    for p, full, shard_dims, rep_dims, shard, name in sets:
+        if z == 0:  # every rank of the group a replica: one all-reduce
+            t, algo = collective("all_reduce", p * GRAD, group_of(layout, cluster, full), cluster)
+            ar += t
+            if t:
+                algos[f"{name} all_reduce"] = algo
+            opt_params += p
+            continue
+        g = group_of(layout, cluster, shard_dims)
+        t, algo = collective("reduce_scatter", p * GRAD, g, cluster)
+        rs += t
+        if t:
+            algos[f"{name} reduce_scatter"] = algo
+        # HSDP: each shard's gradient is then all-reduced over the replicas, at the step (exposed)
+        if layout.dp_replicate > 1:
+            t, algos[f"{name}_replicate all_reduce"] = collective(
+                "all_reduce", p * GRAD / shard, group_of(layout, cluster, rep_dims), cluster)
+            rep_t += t
+        compute_weights = p * (MASTER if layout.precision == "fp32" else 2)  # the weights in the compute dtype
+        # ZeRO-1/2 gather the updated fp32 weights after the step (a peer's opg: the compute dtype,
+        # behind the next forward); ZeRO-3 gathers them in the compute dtype before each pass
+        t, algo = collective("all_gather", p * MASTER if z in (1, 2) and not layout.overlap_param_gather
+                             else compute_weights, g, cluster)
+        ag += t
+        if t:
+            algos[f"{name} all_gather"] = algo
+        opt_params += p / shard
+    if z == 0:
+        # bucketed behind the backward; the last bucket cannot overlap
+        return (max(0.0, ar - b) + ar / layers, opt_params) if ar else (0.0, opt_params)
+    if z in (1, 2):  # gradients reduce-scatter behind the last backward, then the weights are gathered
         grads_exposed = max(0.0, rs - b) + rs / layers + rep_t
         if layout.overlap_param_gather:
-            ag, algos["dp all_gather"] = collective("all_gather", compute_weights, g, cluster)
-            return grads_exposed + max(0.0, ag - f) + ag / layers, p / shard
-        ag, algos["dp all_gather"] = collective("all_gather", p * MASTER, g, cluster)
-        return grads_exposed + ag, p / shard
+            return grads_exposed + max(0.0, ag - f) + ag / layers, opt_params
+        return grads_exposed + ag, opt_params
     # ZeRO-3: weights gathered in the compute dtype before each forward and again before each backward
     # (once per step under a pipeline, which keeps them gathered across micro-batches)
-    ag, algos["dp all_gather"] = collective("all_gather", compute_weights, g, cluster)
     if sc.comm_measured:  # this-host timed each block as a ZeRO-3 unit, its gathers included
-        return rep_t, p / shard
+        return rep_t, opt_params
     times = layout.microbatches if layout.pp == 1 else 1
     exposed = times * (max(0.0, ag - f) + ag / layers + max(0.0, ag + rs / times - b) + rs / times / layers)
-    return exposed + rep_t, p / shard
+    return exposed + rep_t, opt_params
 
 
 def _step_collectives(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute) -> float:
