@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import compat as bench_compat
 
     bench_compat.add_arguments(compat)
+    moe = bsub.add_parser("moe", help="mixture of experts: all-to-all vs gloo, grouped experts vs a loop, ep2 vs ep1")
+    from .bench import moe_cli
+
+    moe_cli.add_arguments(moe)
     from .plan import cli as plan_cli
 
     plan_cli.add_arguments(sub.add_parser("plan", help="predict step time, memory and MFU of layouts; --search ranks them"))
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import loop as bench_loop
 
         return bench_loop.main(args)
+    if args.command == "bench" and args.bench == "moe":
+        from .bench import moe_cli
+
+        return moe_cli.main(args)
     if args.command == "bench" and args.bench == "pipeline":
         from .bench import pipeline_cli
 
