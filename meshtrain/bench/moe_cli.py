@@ -198,7 +198,7 @@ def print_experts(recs: list[dict[str, Any]], seconds: float) -> None:
     """One row per expert count."""
     t = TARGETS["experts"]
     r0 = recs[0]
-    print(f"\n## experts: GroupedExperts (one batched matmul; on CPU the zero-padded bmm) vs a loop of "
+    print(f"\n## experts: GroupedExperts (one grouped matmul: torch._grouped_mm where it runs, else the padded bmm) vs a loop of "
           f"per-expert nn.Linear, forward + backward, dim {r0['dim']}, hidden {r0['hidden']}, "
           f"{r0['tokens']} tokens top-{r0['top_k']}, {r0['threads']} threads ({seconds:.0f} s)")
     print(f"# {'experts':>7} {'rows':>6} {'rows/expert':>12} {'grouped ms':>11} {'loop ms':>9} {'loop/grouped':>13} "

@@ -83,14 +83,21 @@ def _grouped_mm_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def _use_grouped_mm(x: Tensor, dim: int, hidden: int) -> bool:
-    """Whether ``torch._grouped_mm`` serves this call: a Hopper-or-later GPU, bf16 compute (bf16
-    inputs or a bf16 autocast), some rows, and a row length 16-byte aligned as the kernel requires."""
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.shape[0] > 0 and dim % 8 == 0 and hidden % 8 == 0):
-        return False
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    return dtype == torch.bfloat16 and _grouped_mm_device(x.device.index if x.device.index is not None
-                                                          else torch.cuda.current_device())
+def grouped_mm_dtype(x: Tensor, dim: int, hidden: int) -> torch.dtype | None:
+    """The dtype ``torch._grouped_mm`` computes this call in, or None where it does not serve: on a
+    GPU, Hopper or later with bf16 compute (bf16 inputs or a bf16 autocast); on the CPU, fp32 or
+    bf16 (its kernel runs both exactly, a GEMM per group without the padded batch's wasted rows).
+    Rows must be 16-byte aligned, as both kernels require."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cuda", "cpu") or x.shape[0] == 0:
+        return None  # (no rows: its backward rejects the zero-size gradient; the padded path is free)
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or (dim * dtype.itemsize) % 16 or (hidden * dtype.itemsize) % 16:
+        return None
+    if kind == "cuda" and not (dtype == torch.bfloat16 and _grouped_mm_device(
+            x.device.index if x.device.index is not None else torch.cuda.current_device())):
+        return None
+    return dtype
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -132,16 +139,17 @@ class GroupedExperts(nn.Module):
         if len(counts) != self.n_experts:
             raise ValueError(f"counts has {len(counts)} entries for {self.n_experts} local experts; "
                              f"give one per expert")
-        if _use_grouped_mm(x, self.dim, self.hidden):
-            return self.grouped_forward(x, counts)
+        dtype = grouped_mm_dtype(x, self.dim, self.hidden)
+        if dtype is not None:
+            return self.grouped_forward(x, counts, dtype)
         return self.padded_forward(x, counts)
 
-    def grouped_forward(self, x: Tensor, counts: list[int]) -> Tensor:
-        """``torch._grouped_mm`` over the rows of each expert (offsets = running sums of the counts,
-        each padded with zero rows to a multiple of ``GROUP_ALIGN`` unless all already are);
-        operands cast to bf16 explicitly, as autocast may not list the op."""
-        dtype = torch.bfloat16
-        aligned = [-(-c // GROUP_ALIGN) * GROUP_ALIGN for c in counts]
+    def grouped_forward(self, x: Tensor, counts: list[int], dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        """``torch._grouped_mm`` over the rows of each expert (offsets = running sums of the counts;
+        on a GPU each padded with zero rows to a multiple of ``GROUP_ALIGN`` unless all already
+        are); operands cast to ``dtype`` explicitly, as autocast may not list the op."""
+        align = GROUP_ALIGN if x.is_cuda else 1
+        aligned = [-(-c // align) * align for c in counts]
         slot = None if aligned == counts else self._slots(counts, aligned, x.device)
         xb = x.to(dtype)
         if slot is not None:

@@ -94,22 +94,30 @@ def _loop(x: torch.Tensor, counts: list[int], ex: GroupedExperts) -> torch.Tenso
     return torch.cat(outs)
 
 
-def test_grouped_experts_match_a_loop_with_empty_experts():
+@pytest.mark.parametrize("path", ["forward", "padded", "grouped-fp32"])
+def test_grouped_experts_match_a_loop_with_empty_experts(path):
+    """Each path (what forward picks: on the CPU torch._grouped_mm in fp32 where the op exists; the
+    padded-bmm fallback; the grouped kernel asked for directly) equals a loop over the experts."""
     torch.manual_seed(0)
     ex = GroupedExperts(E, DIM, HIDDEN)
     counts = [3, 0, 5, 0]
     x = torch.randn(sum(counts), DIM, requires_grad=True)
     g = torch.randn(sum(counts), DIM)
-    got, want = ex(x, counts), _loop(x, counts, ex)
+    if path == "grouped-fp32" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    run = {"forward": ex, "padded": ex.padded_forward,
+           "grouped-fp32": lambda x, c: ex.grouped_forward(x, c, torch.float32)}[path]
+    got, want = run(x, counts), _loop(x, counts, ex)
     torch.testing.assert_close(got, want)
     for a, b in zip(_grads((got * g).sum(), [x, *ex.parameters()]), _grads((want * g).sum(), [x, *ex.parameters()])):
         torch.testing.assert_close(a, b)
 
 
-def test_grouped_experts_with_no_tokens():
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_experts_with_no_tokens(padded):
     ex = GroupedExperts(E, DIM, HIDDEN)
     x = torch.zeros(0, DIM, requires_grad=True)
-    y = ex(x, [0] * E)
+    y = ex.padded_forward(x, [0] * E) if padded else ex(x, [0] * E)
     assert y.shape == (0, DIM)
     y.sum().backward()
     for w in ex.parameters():
