@@ -10,6 +10,7 @@ Only shapes live here; nothing is fitted per run. Parameter counts are computed 
 from __future__ import annotations
 
 import difflib
+import math
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,8 +58,9 @@ class Arch:
     """Shared experts every token uses: one SwiGLU of width n_shared_experts x moe_ffn_dim."""
     first_dense_layers: int = 0
     """The first this many layers keep the dense MLP of width ffn_dim."""
-    capacity_factor: float = 0.0
-    """0: dropless; > 0: an expert takes at most capacity_factor x its even share of the tokens."""
+    capacity_factor: float = math.inf
+    """inf: dropless (meshtrain's default); else an expert takes at most capacity_factor x its even
+    share of the tokens."""
     mla: Mla | None = None
     """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
 
@@ -153,7 +155,7 @@ class Arch:
     def routed_share(self) -> float:
         """Fraction of the routed (token, expert) pairs an expert computes: 1 dropless (balanced
         routing); capacity_factor below 1 drops the rest."""
-        return min(self.capacity_factor, 1.0) if self.capacity_factor > 0 else 1.0
+        return min(self.capacity_factor, 1.0)
 
     def params_per_layer(self, moe: bool = False) -> int:
         """All of one block's parameters (its matrices plus norm scales)."""
@@ -217,7 +219,7 @@ def from_llama_config(name: str, cfg: LlamaConfig) -> Arch:
            "moe_ffn_dim": int(getattr(cfg, "moe_ffn_dim", 0) or 0),
            "n_shared_experts": int(getattr(cfg, "n_shared_experts", 0) or 0),
            "first_dense_layers": int(getattr(cfg, "first_dense_layers", 0) or 0),
-           "capacity_factor": float(getattr(cfg, "capacity_factor", 0.0) or 0.0)} if n_experts else {}
+           "capacity_factor": float(getattr(cfg, "capacity_factor", math.inf))} if n_experts else {}
     return Arch(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size,
                 True, cfg.tie_embeddings, **moe)
 

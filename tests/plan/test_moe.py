@@ -2,6 +2,7 @@
 cards: parameter counts, the ep all-to-all, expert memory under ep and ZeRO, the layout checks, and
 --search choosing ep. (The published MoE runs are in test_published.py with the other published runs.)"""
 
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -65,7 +66,7 @@ def test_a_llama_config_without_moe_fields_is_dense_and_one_with_them_is_not():
                             tie_embeddings=False)
     assert not from_llama_config("plain", plain).is_moe  # before the MoE fields exist: getattr defaults
     moe = from_llama_config("moe", SimpleNamespace(**vars(plain), n_experts=8, moe_top_k=2, moe_ffn_dim=32,
-                                                   n_shared_experts=1, first_dense_layers=1, capacity_factor=0.0))
+                                                   n_shared_experts=1, first_dense_layers=1, capacity_factor=math.inf))
     assert (moe.n_experts, moe.moe_top_k, moe.expert_ffn, moe.shared_ffn, moe.moe_layers) == (8, 2, 32, 32, 1)
 
 

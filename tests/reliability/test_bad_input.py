@@ -129,7 +129,7 @@ def test_layout_product_differs_from_the_world_size(tmp_path):
     """Under torchrun the world size comes from the launcher: 3 ranks for a dp2 layout."""
     config = load_config(None, [*SMALL[:-2], "--parallel.dp=2", "--parallel.tp=1", f"--out={tmp_path / 'r'}"])
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match=r"dp\*pp\*cp\*tp = 2\*1\*1\*1 = 2 but the world size is 3"):
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp\*cp = 2\*1\*1\*1 = 2 but the world size is 3"):
         comm.run_local(3, lambda rank: train(config, progress=False), timeout=30)
     assert time.monotonic() - t0 < 30 and not (tmp_path / "r").exists()
 
