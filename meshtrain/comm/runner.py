@@ -110,7 +110,9 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         # meet anyway: the shm collectives' first step, or one step of that protocol before others.
         # The hierarchical collectives across hosts of the shm transport check it in their steps.
         local = g.on_shared_memory  # shm_direct.usable(ctx), asked once per group
-        fused = checked and not force_exchange and pairwise is None and (
+        # (an all_to_all's pairs differ by rank: the shm one checks them from its headers itself)
+        own_pairs = pairwise is not None and local and meta.get("algorithm") == "shm"
+        fused = checked and not force_exchange and (pairwise is None or own_pairs) and (
             local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
         # A torch-transport group on one host checks on its shared board (comm/check_board.py).
         board = board_of(g) if checked and not fused else None
@@ -121,7 +123,8 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             if checked:
                 payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
                 if fused:
-                    ctx.fingerprint = fingerprint(payload)
+                    ctx.fingerprint = fingerprint(payload if pairwise is None else json.dumps(
+                        {"meta": meta, "pair": None}, sort_keys=True))
                 elif board is not None:  # the pairs differ by rank: they go through the store below
                     fp = fingerprint(payload if pairwise is None else json.dumps({"meta": meta, "pair": None},
                                                                                  sort_keys=True))

@@ -158,7 +158,8 @@ def test_algorithms_follow_the_transport_capabilities(monkeypatch):
     monkeypatch.setitem(base.CAPABILITIES, "both", base.Capabilities(native_collectives=True, shared_memory=True))
     assert {"native", "shm"}.isdisjoint(algorithms_for("all_reduce", "plain"))
     assert {"native", "shm"} <= set(algorithms_for("all_reduce", "both"))
-    assert "shm" not in algorithms_for("all_to_all", "both")  # no shm collective for it
+    assert "shm" not in algorithms_for("gather", "both")  # no shm collective for it
+    assert "shm" in algorithms_for("all_to_all", "both") and "shm" not in algorithms_for("all_to_all", "plain")
     assert base.capabilities(type("T", (), {"kind": "unknown"})()) == base.Capabilities()
 
 

@@ -109,6 +109,9 @@ def _mismatches_in_the_first_step(rank: int) -> dict:
                                                        torch.ones(32 if rank == 0 else 1 << 19)),
         "ops": lambda: (mc.broadcast(torch.ones(8), src=0, algorithm="shm") if rank == 0
                         else mc.all_gather_into_tensor(torch.empty(16), torch.ones(8), algorithm="shm")),
+        # the shm all-to-all checks its pairs from its headers: rank 0 sends 3 to rank 1, which expects 2
+        "a2a-pairs": lambda: mc.all_to_all_single(torch.empty(4), torch.ones(5 if rank == 0 else 4), [2, 2],
+                                                  [2, 3] if rank == 0 else [2, 2]),
     }
     out = outcomes(cases, (CollectiveMismatch,))
     x = torch.full((300_000,), float(rank + 1))  # the group still works, chunked and all
@@ -125,7 +128,8 @@ def test_a_mismatch_is_named_from_the_shm_steps_fingerprint_and_the_group_goes_o
         assert "algorithm=shm" in r["algorithms"] and "algorithm=ring" in r["algorithms"], r["algorithms"]
         assert "shapes=[[16]]" in r["auto-sizes"] and "shapes=[[262144]]" in r["auto-sizes"], r["auto-sizes"]
         assert "broadcast" in r["ops"] and "all_gather_into_tensor" in r["ops"], r["ops"]
-        assert all(r[k + "_s"] < 5 for k in ("empty", "algorithms", "auto-sizes", "ops"))  # not the 20 s timeout
+        assert "rank 0 sends 3 elements to rank 1, which expects 2" in r["a2a-pairs"], r["a2a-pairs"]
+        assert all(r[k + "_s"] < 5 for k in ("empty", "algorithms", "auto-sizes", "ops", "a2a-pairs"))
         assert r["after"] == (3.0, 3.0)
 
 

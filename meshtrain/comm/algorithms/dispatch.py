@@ -254,7 +254,7 @@ def _build() -> dict[tuple[str, str], Implementation]:
     shm: dict[str, Callable] = {
         "all_reduce": _all_reduce(shm_direct.all_reduce), "reduce": _reduce(shm_direct.reduce),
         "broadcast": _broadcast(shm_direct.broadcast), "all_gather": _all_gather_shm,
-        "reduce_scatter": _reduce_scatter_shm,
+        "reduce_scatter": _reduce_scatter_shm, "all_to_all": _all_to_all(shm_direct.all_to_all),
     }
     assert set(shm) == set(shm_direct.ALGORITHMS), "every shm collective needs its entry"
     for op, run in shm.items():  # the members' shared buffers

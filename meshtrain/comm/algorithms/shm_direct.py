@@ -8,7 +8,8 @@ copies its input into its own shared buffer once, and its peers read it from the
   reduce-scatter and an all-gather through memory). Messages up to ``SMALL_BYTES`` take one step
   instead: every rank reduces the whole message from all buffers, in rank order, so all ranks
   get the same bits.
-* reduce_scatter / all_gather / broadcast / reduce: one copy in, one read out per byte.
+* reduce_scatter / all_gather / broadcast / reduce / all_to_all: one copy in, one read out per
+  byte (all_to_all's sizes travel in a header with its first chunk, checked by every member).
 * all_reduce of a symmetric tensor (``meshtrain.comm.symmetric_empty``: it lives in shared memory
   on every member): no copy in and no chunks. Rank i reduces slice i straight out of its peers'
   tensors, then copies the other reduced slices out of their owners' tensors.
@@ -303,5 +304,64 @@ def reduce(ctx: Ctx, buf: torch.Tensor, op: ReduceOp, root: int) -> None:
     _rooted(ctx, buf, ctx.rank != root, others if ctx.rank == root else [], reduce_in)
 
 
+HEADER_BYTES = 64
+"""all_to_all's header (what a rank sends to and expects from each member) is padded to a multiple
+of this, so the data after it stays aligned."""
+
+
+def _publish_window(area, r: int, half: int, at: int, ins: list[torch.Tensor], lo: int, hi: int) -> None:
+    """Copy elements [lo, hi) of the concatenation of flat ``ins`` to byte ``at`` of my half."""
+    start, es = 0, ins[0].element_size()
+    for t in ins:
+        a, b = max(lo, start), min(hi, start + t.numel())
+        if a < b:
+            area.view(r, half, at + (a - lo) * es, b - a, t.dtype).copy_(t[a - start : b - start])
+        start += t.numel()
+
+
+def all_to_all(ctx: Ctx, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """Flat ``outs[k]`` receives rank k's flat ``ins[me]`` through the members' buffers: every rank
+    publishes a header (the elements it sends to and expects from each member) and its inputs back
+    to back, once, a chunk at a time; every rank copies its part out of each peer's buffer. One copy
+    in and one out per byte, where point-to-point copies each part into a slot and out again.
+
+    The pairs are checked here, not by a metadata exchange first: every rank reads every header,
+    so all see the same size matrix, and a rank whose send to j differs from what j expects makes
+    every member raise ``FingerprintMismatch`` at the same step (the runner then names them)."""
+    p, r, dtype = ctx.size, ctx.rank, ins[0].dtype
+    if p == 1:
+        outs[0].copy_(ins[0])
+        return check_only(ctx)
+    es = ins[0].element_size()
+    head = -(-2 * p * 8 // HEADER_BYTES) * HEADER_BYTES
+    per = max((CHUNK_BYTES - head) // es, 1)
+    area = _area(ctx, head + per * es)
+    sends = [t.numel() for t in ins]
+    c, half = area.begin(ctx.deadline)
+    area.view(r, half, 0, 2 * p, torch.int64).copy_(torch.tensor(sends + [o.numel() for o in outs]))
+    _publish_window(area, r, half, head, ins, 0, per)
+    outs[r].copy_(ins[r])  # before the wait: it overlaps the peers' publishing
+    _arrive(ctx, area, c, "the all-to-all's parts")
+    table = [area.view(k, half, 0, 2 * p, torch.int64).tolist() for k in range(p)]
+    if any(table[k][j] != table[j][p + k] for k in range(p) for j in range(p)):
+        area.announce(2 * c + 2)
+        raise FingerprintMismatch()
+    mine = [(sum(table[k][:r]), table[k][r]) for k in range(p)]  # (offset, length) of my part in k's data
+    rounds = max(-(-sum(row[:p]) // per) for row in table)
+    for i in range(max(rounds, 1)):
+        if i:
+            c, half = area.begin(ctx.deadline)
+            _publish_window(area, r, half, head, ins, i * per, (i + 1) * per)
+            area.announce(2 * c + 1)
+            area.wait_all(2 * c + 1, ctx.deadline, "the all-to-all's parts")
+        for d in range(1, p):
+            k = (r + d) % p
+            off, n = mine[k]
+            a, b = max(off, i * per), min(off + n, (i + 1) * per)
+            if a < b:
+                outs[k][a - off : b - off].copy_(area.view(k, half, head + (a - i * per) * es, b - a, dtype))
+        area.announce(2 * c + 2)
+
+
 ALGORITHMS = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
-              "broadcast": broadcast, "reduce": reduce}
+              "broadcast": broadcast, "reduce": reduce, "all_to_all": all_to_all}
