@@ -282,22 +282,28 @@ def main() -> int:
     ap.add_argument("--dtypes", action="store_true", help="also int64 max and bfloat16 avg for the reductions")
     ap.add_argument("--timeout", type=float, default=20.0, help="every collective's timeout (s)")
     ap.add_argument("--verbose", action="store_true", help="print every case with its time")
-    a = ap.parse_args()
+    # "--then" separates phases (their own sizes, ops, ...) run one after another in one launch:
+    # starting the simulated hosts costs more than most phases
+    segments: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        segments.append([]) if arg == "--then" else segments[-1].append(arg)
+    a = ap.parse_args(segments[0])
+    phases = [a] + [ap.parse_args([*seg, "--hosts", str(a.hosts), "--scratch", a.scratch]) for seg in segments[1:]]
 
     comm = mc.init(transport="auto", timeout=a.timeout, init_timeout=60)
     rank, hosts = mc.get_rank(), list(comm.transport.hosts)
     assert comm.transport.kind == "shm" and comm.transport.remote is not None, "auto did not pick shm + gloo"
     assert len(set(hosts)) == a.hosts, f"expected {a.hosts} distinct hosts, the ranks see {sorted(set(hosts))}"
-    groups = layout_groups(hosts)
-    made = {name: mc.new_group(ranks) for name, ranks in groups.items()}  # every rank makes every group
+    every = layout_groups(hosts)
+    made = {name: mc.new_group(ranks) for name, ranks in every.items()}  # every rank makes every group
     sync = mc.new_group(list(range(len(hosts))), timeout=600)
-    if a.groups:
-        groups = {k: v for k, v in groups.items() if k in a.groups.split(",")}
     m = Matrix(rank, hosts, Path(a.scratch))
     m.verbose = a.verbose
     t0 = time.monotonic()
     try:
-        run_matrix(m, a, groups, made, sync)
+        for phase in phases:
+            groups = {k: v for k, v in every.items() if not phase.groups or k in phase.groups.split(",")}
+            run_matrix(m, phase, groups, made, sync)
     except Exception:  # noqa: BLE001 - reported, then the process ends without waiting on its peers
         print(f"ERROR rank {rank} after {time.monotonic() - t0:.1f}s, {m.cases} cases: "
               f"{traceback.format_exc(limit=3)}", flush=True)
