@@ -16,10 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.add_arguments(train)
     from .train import hf_cli
 
-    hf_cli.add_export_arguments(sub.add_parser("export", help="a checkpoint -> a Hugging Face LlamaForCausalLM "
-                                               "directory"))
-    hf_cli.add_import_arguments(sub.add_parser("import", help="train (any layout) from a local Hugging Face Llama "
-                                               "directory; --section.key=value overrides"))
+    hf_cli.add_export_arguments(sub.add_parser("export", help="a checkpoint -> a Hugging Face directory "
+                                               "(LlamaForCausalLM, or the MoE class that computes it)"))
+    hf_cli.add_import_arguments(sub.add_parser("import", help="train (any layout) from a local Hugging Face Llama or "
+                                               "MoE directory; --section.key=value overrides"))
     hf_cli.add_generate_arguments(sub.add_parser("generate", help="sample text from a checkpoint"))
     bench = sub.add_parser("bench", help="benchmarks that compare with a peer in the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
