@@ -10,7 +10,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``meshtrain`` command."""
     parser = argparse.ArgumentParser(prog="meshtrain", description="distributed training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a Llama on a (dp, pp, cp, tp) layout; --section.key=value overrides")
+    train = sub.add_parser("train", help="train a Llama (dense or mixture-of-experts) on a (dp, pp, cp, tp, ep) "
+                                         "layout; --section.key=value overrides")
     from .train import cli as train_cli
 
     train_cli.add_arguments(train)
