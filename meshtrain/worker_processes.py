@@ -19,6 +19,7 @@ must not import a module before the environment is in place.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -26,7 +27,11 @@ import tempfile
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Sequence
 
-PRELOAD = ["torch"]
+PRELOAD = ["torch", "meshtrain.worker_processes"]
+"""What the server imports before it forks: torch, and this module, so that ``SERVER_ENV`` holds
+the environment the server started with (in the server and every process forked from it)."""
+SERVER_ENV: dict[str, str] = dict(os.environ)
+"""This process's environment when this module was imported: in a forked process, the server's."""
 
 
 def context() -> BaseContext:
@@ -64,3 +69,20 @@ def _entry(environ: dict[str, str], payload: bytes, *handles: Any) -> None:
     tempfile.tempdir = None  # computed again from TMPDIR, as a new interpreter would
     target, args = pickle.loads(payload)
     target(*args, *handles)
+
+
+def with_caller_env(environ: dict[str, str], target: Callable[..., Any]) -> Callable[..., Any]:
+    """``target`` for a launcher that forks from the server and then sets variables of its own in
+    the child before calling it (torch's elastic agent: RANK, MASTER_PORT, ...): the child runs
+    under ``environ`` (the caller's, at the call) with those variables on top. Picklable when
+    ``target`` is."""
+    return functools.update_wrapper(functools.partial(_in_env, dict(environ), target), target)  # (its __name__)
+
+
+def _in_env(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
+    launcher = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v}  # what the launcher set here
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(launcher)
+    tempfile.tempdir = None
+    return target(*args)

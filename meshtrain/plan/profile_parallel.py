@@ -171,9 +171,15 @@ def _small_all_reduce(world: int, threads: int, port: int, rank: int) -> float:
     for _ in range(n):
         work()
         comm.all_reduce(t)
+    together = time.perf_counter() - start
+    comm.barrier()
+    start = time.perf_counter()  # compute alone again: the faster of the two (a busy moment only slows one)
+    for _ in range(n):
+        work()
+    alone = min(alone, time.perf_counter() - start)
     # what a collective adds between stretches of compute: its own cost, and waiting for ranks that
     # are computing (or, with more ranks than cores, not running at all)
-    return max(0.0, time.perf_counter() - start - alone) / n
+    return max(0.0, together - alone) / n
 
 
 @lru_cache(maxsize=64)

@@ -138,6 +138,7 @@ def _auto(kind: str, op: str, nbytes: int, **kw) -> str:
     ("local", "all_gather", "recursive_doubling"), ("local", "reduce_scatter", "direct"),
     ("torch", "all_reduce", "ring"), ("torch", "all_to_all", "native"),  # a pair's auto is gloo's own
     ("shm", "all_reduce", "ring"), ("shm", "broadcast", "direct"),  # beat auto's shm on one host
+    ("shm", "all_to_all", "direct"),
 ])
 def test_choose_takes_a_valid_preference(kind, op, name):
     for nbytes in (8, 1 << 24):
@@ -154,7 +155,7 @@ def test_choose_takes_a_valid_preference(kind, op, name):
     ("torch", "all_reduce", "shm", {}),  # shm: the shm transport only
     ("shm", "all_reduce", "shm", {"local": False}),  # a group spanning hosts
     ("shm", "all_gather", "shm", {"size": 1}),
-    ("shm", "all_to_all", "shm", {}),  # no shm all-to-all
+    ("shm", "gather", "shm", {}),  # no shm gather
 ])
 def test_choose_falls_back_to_auto_where_the_preference_is_invalid(kind, op, name, kw):
     for nbytes in (8, 1 << 24):

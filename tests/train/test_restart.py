@@ -34,14 +34,16 @@ def _children(pid: int) -> list[int]:
 
 
 def _workers(pid: int) -> list[int]:
-    """The launcher's worker processes: its children, less multiprocessing's resource tracker."""
+    """The launcher's worker processes: the children of the server it forks them from
+    (``worker_processes``), which is its child beside multiprocessing's resource tracker."""
     def cmdline(p: int) -> str:
         try:
             return Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             return ""
 
-    return [p for p in _children(pid) if "resource_tracker" not in cmdline(p)]
+    servers = [p for p in _children(pid) if "multiprocessing.forkserver" in cmdline(p)]
+    return [w for s in servers for w in _children(s)]
 
 
 @pytest.mark.timeout(400)
@@ -54,15 +56,21 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
     before = set(os.listdir("/dev/shm"))
     cmd = [sys.executable, "-m", "meshtrain.cli", "train", f"--out={out}", "--max-restarts=1", *ARGS]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    victim, deadline = None, time.monotonic() + 300
+    victim, first, restarted, deadline = None, set(), False, time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         if victim is None and len(_rows(out / "metrics.jsonl")) >= 5:  # after step 4's checkpoint
-            victim = _workers(proc.pid)[-1]
+            workers = _workers(proc.pid)
+            assert len(workers) == 4, f"expected the launcher's 4 workers, found {workers}"
+            first, victim = set(workers), workers[-1]
             os.kill(victim, signal.SIGKILL)
+        elif victim is not None and not restarted:  # the agent starts a new group of 4
+            now = set(_workers(proc.pid))
+            restarted = len(now) == 4 and not now & first
         time.sleep(0.05)
     log = proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
     assert proc.returncode == 0, log[-3000:]
     assert victim is not None, "the run ended before a worker could be killed"
+    assert restarted, f"no new worker group was seen after the kill of {victim}:\n{log[-3000:]}"
 
     rows = _rows(out / "metrics.jsonl")
     steps = [r["step"] for r in rows]
