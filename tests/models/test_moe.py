@@ -449,3 +449,26 @@ def test_preset_sizes_and_active_params():
     assert active_params(dataclasses.replace(cfg, moe_top_k=cfg.n_experts)) == total  # every expert active
     dense = PRESETS["10m"]
     assert active_params(dense) == num_params(Llama(dense))
+
+
+@pytest.mark.cuda
+def test_grouped_experts_on_the_gpu_take_the_grouped_kernel_and_match_a_loop():
+    """On a GPU: bf16 under autocast takes torch._grouped_mm where the device has it (sm90+), else
+    the padded bmm; either matches the loop within bf16 rounding, gradients included."""
+    from meshtrain.models.moe import grouped_mm_dtype
+
+    torch.manual_seed(3)
+    ex = GroupedExperts(8, 64, 32).cuda()
+    counts = [5, 0, 17, 3, 0, 9, 1, 12]
+    x = torch.randn(sum(counts), 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = ex(x, counts)
+        kernel = grouped_mm_dtype(x, 64, 32)
+    want = _loop(x, counts, ex)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert kernel == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    g = torch.randn_like(want)
+    tensors = [x, *ex.parameters()]
+    for a, b in zip(_grads((got.float() * g).sum(), tensors), _grads((want * g).sum(), tensors)):
+        torch.testing.assert_close(a, b, atol=6e-2, rtol=6e-2)
