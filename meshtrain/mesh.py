@@ -68,6 +68,15 @@ def _positive_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def _check_view(name: str, run: tuple[str, ...], order: list[str], views: Mapping[str, tuple[str, ...]]) -> None:
+    """Raise ``ConfigError`` unless view ``name`` is a new name (or one already meaning ``run``)
+    for mesh axes listed in mesh order."""
+    idx = [order.index(a) if a in order else -1 for a in run]
+    if name in order or not run or -1 in idx or idx != sorted(set(idx)) or views.get(name, run) != run:
+        raise ConfigError(f"view {name!r} = {run} must be a new name for mesh axes in mesh order, slowest first, "
+                          f"out of {order}")
+
+
 def validate_degrees(world_size: int, dp: int, pp: int = 1, cp: int = 1, tp: int = 1, **carved: int) -> None:
     """Raise ``ConfigError`` unless the degrees are positive integers whose product is ``world_size``
     and each carved degree (``dp_replicate``, ``ep``) divides what it is carved from."""
@@ -96,19 +105,15 @@ class Mesh:
     @classmethod
     def of(cls, axes: Mapping[str, int], views: Mapping[str, Sequence[str]] | None = None,
            communicator: Communicator | None = None) -> "Mesh":
-        """A mesh of any named axes (slowest first) and views (each a run of those axes)."""
+        """A mesh of any named axes (slowest first) and views (each a set of those axes, in mesh order)."""
         c = communicator or comm.current()
         if not axes or not all(_positive_int(v) for v in axes.values()):
             raise ConfigError(f"mesh axes must be positive integers, got {dict(axes)!r}")
         if math.prod(axes.values()) != c.world_size:
             raise ConfigError(f"the mesh axes {dict(axes)} hold {math.prod(axes.values())} ranks but the world "
                               f"size is {c.world_size}; their sizes must multiply to it")
-        order = list(axes)
         for name, run in (views or {}).items():
-            idx = [order.index(a) if a in order else -1 for a in run]
-            if name in axes or not run or -1 in idx or idx != sorted(set(idx)):
-                raise ConfigError(f"view {name!r} = {tuple(run)} must be a new name for mesh axes in mesh order, "
-                                  f"slowest first, out of {order}")
+            _check_view(name, tuple(run), list(axes), {})
         mesh = cls.__new__(cls)
         mesh.degrees = {}
         mesh._setup(c, dict(axes), {k: tuple(v) for k, v in (views or {}).items()}, tuple(axes))
@@ -140,14 +145,9 @@ class Mesh:
         """Add named sets of axes (each in mesh order) and their groups. Collective over the world:
         every rank must add the same views in the same order (a view already there with the same
         axes is kept)."""
-        order = list(self.axes)
         for name, run in views.items():
             run = tuple(run)
-            idx = [order.index(a) if a in order else -1 for a in run]
-            if name in self.axes or not run or -1 in idx or idx != sorted(set(idx)) \
-                    or self.views.get(name, run) != run:
-                raise ConfigError(f"view {name!r} = {run} must be a new name for mesh axes in mesh order, "
-                                  f"slowest first, out of {order}")
+            _check_view(name, run, list(self.axes), self.views)
             if name not in self.views:
                 self.views[name] = run
                 self._group_for(name, run)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import ConfigError
-from .dims import check_dp_replicate  # noqa: F401 (moved to the dimensions' table; re-exported)
 
 if TYPE_CHECKING:
     from .model import LlamaConfig
@@ -95,7 +94,7 @@ def check_expert_parallel(cfg: LlamaConfig, ep: int, tp: int = 1, seq_len: int |
     """Raise ``ConfigError`` unless expert parallelism fits the model: ep > 1 needs a
     mixture-of-experts model whose expert count ep divides; with tp > 1 each tp rank routes its
     slice of the sequence, so the (per-cp-rank) ``seq_len`` must divide by tp."""
-    n = getattr(cfg, "n_experts", 0)
+    n = cfg.n_experts
     if ep > 1 and n == 0:
         raise ConfigError(f"{key} = {ep} needs a mixture-of-experts model (model.n_experts > 0, e.g. "
                           f"model.preset = 'moe-test'); use {key} = 1 for a dense model")
@@ -109,5 +108,5 @@ def check_expert_parallel(cfg: LlamaConfig, ep: int, tp: int = 1, seq_len: int |
                           f"sequence length that is a multiple of cp x tp")
 
 
-__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_dp_replicate", "check_expert_parallel",
+__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_expert_parallel",
            "check_parallel_values", "check_tensor_parallel"]

@@ -69,6 +69,11 @@ class MoEStats:
     names: list[str] = field(default_factory=list)
     """The layers' module names, in model order."""
 
+    @property
+    def layers(self) -> list[int]:
+        """The layers' indices in the model (``layers.<i>.mlp`` of each name)."""
+        return [int(n.split("layers.")[1].split(".")[0]) for n in self.names]
+
 
 # ------------------------------------------------------------------------------------------ experts
 

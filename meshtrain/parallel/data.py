@@ -210,17 +210,18 @@ class DataParallel(nn.Module):
                 b.ready.add(i)
             self._launch_ready()
             # whether anyone used a parameter, asked of the ranks that hold it (its bucket's group)
-            used: dict[int, tuple[Group, list[GradBucket], torch.Tensor]] = {}
+            used: list[tuple[list[GradBucket], torch.Tensor]] = []
             if self.find_unused_parameters:
+                by_group: dict[int, tuple[Group, list[GradBucket]]] = {}
                 for b in self.buckets:
-                    used.setdefault(id(b.group), (b.group, [], None))[1].append(b)  # type: ignore[arg-type]
-                for key, (g, bs, _) in list(used.items()):
+                    by_group.setdefault(id(b.group), (b.group, []))[1].append(b)
+                for g, bs in by_group.values():
                     flags = torch.tensor([float(p.grad is not None) for b in bs for p in b.params])
-                    used[key] = (g, bs, flags)
+                    used.append((bs, flags))
                     self._futures.append(self._worker.submit(comm.all_reduce, flags, "max", g))
             for f in self._futures:
                 f.result()
-            for g, bs, flags in used.values():
+            for bs, flags in used:
                 k = 0
                 for b in bs:
                     for i, p in enumerate(b.params):

@@ -70,15 +70,18 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(g, in_splits, out_splits, ctx.group), None, None, None
 
 
-def expert_major(matrix: torch.Tensor) -> torch.Tensor:
-    """For rows received as [source][local expert] blocks of sizes ``matrix`` (sources x experts),
-    the row indices in [local expert][source] order."""
-    lens = matrix.reshape(-1)
-    starts = torch.cumsum(lens, 0) - lens
-    lens_t, starts_t = matrix.t().reshape(-1), starts.view_as(matrix).t().reshape(-1)
-    total = int(lens.sum())
-    within = torch.arange(total, device=matrix.device) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
-    return torch.repeat_interleave(starts_t, lens_t) + within
+def expert_major(matrix: list[list[int]]) -> torch.Tensor:
+    """For rows received as [source][local expert] blocks of sizes ``matrix`` (sources x experts,
+    on the host), the row indices in [local expert][source] order (a CPU tensor: no device sync)."""
+    starts, at = [], 0
+    for row in matrix:
+        starts.append([])
+        for n in row:
+            starts[-1].append(at)
+            at += n
+    parts = [torch.arange(starts[s][e], starts[s][e] + matrix[s][e])
+             for e in range(len(matrix[0]) if matrix else 0) for s in range(len(matrix))]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 class AllToAllDispatcher:
@@ -102,9 +105,8 @@ class AllToAllDispatcher:
         kept = order[: sum(send_splits)]
         tokens = GatherTokens.apply(x, kept, k)  # (its backward sums a token's k gradients in order)
         received = AllToAll.apply(tokens, recv_splits, send_splits, self.group)
-        matrix = torch.tensor(got, dtype=torch.long, device=x.device)
-        perm = expert_major(matrix)
-        counts_local = matrix.sum(0).tolist()
+        perm = expert_major(got).to(x.device, non_blocking=True)
+        counts_local = [sum(col) for col in zip(*got)]
         return received.index_select(0, perm), counts_local, (kept, T, k, perm, send_splits, recv_splits)
 
     def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:

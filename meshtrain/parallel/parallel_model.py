@@ -135,8 +135,7 @@ class ParallelModel:
         e = self.cfg.n_experts
         table = torch.zeros(self.cfg.n_layers, e + 2, dtype=torch.float64, device=self.engine.device)
         if local is not None:
-            rows = [int(n.split("layers.")[1].split(".")[0]) for n in local.names]
-            table[rows] = torch.cat([local.counts, local.dropped[:, None], local.aux[:, None]], 1).to(table.device)
+            table[local.layers] = torch.cat([local.counts, local.dropped[:, None], local.aux[:, None]], 1).to(table.device)
         if mesh.pp > 1:
             comm.all_reduce(table, op="sum", group=mesh.pp_group)
         moe_rows = [i for i in range(self.cfg.n_layers) if self.cfg.is_moe_layer(i)]

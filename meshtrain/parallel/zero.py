@@ -86,7 +86,7 @@ class ZeroModel(nn.Module):
             per_slot[slot].setdefault((id(rg_of[id(p)]), id(p) in fp32), []).append((name, p))
         self.units: list[FlatUnit] = []
         self._slots: list[list[FlatUnit]] = []
-        self._units_of_module: dict[int, list[FlatUnit]] = {}
+        self._slot_of_module: dict[int, int] = {}  # a block -> its index in _slots
         for slot, by_group in enumerate(per_slot):
             made = []
             for (_, keep_fp32), members in by_group.items():
@@ -94,12 +94,11 @@ class ZeroModel(nn.Module):
                 dtype = torch.float32 if keep_fp32 else self.mp.param_dtype
                 made.append(FlatUnit(len(self.units), members, rg.group, dtype, self.mp.reduce_dtype,
                                      replicas=rg.replicas, scale=rg.scale, view=rg.view))
-                made[-1].slot = len(self._slots)  # type: ignore[attr-defined]
                 self.units.append(made[-1])
             if made:
-                self._slots.append(made)
                 if slot:
-                    self._units_of_module[id(blocks[slot - 1])] = made
+                    self._slot_of_module[id(blocks[slot - 1])] = len(self._slots)
+                self._slots.append(made)
         self._root = self._slots[0] if per_slot[0] and self._slots else []
         self._where = {}
         for u in self.units:
@@ -114,7 +113,7 @@ class ZeroModel(nn.Module):
         self._outstanding = 0
         if stage == 3:
             for m in blocks:
-                if id(m) in self._units_of_module:
+                if id(m) in self._slot_of_module:
                     m.register_forward_pre_hook(self._pre_forward)
                     m.register_forward_hook(self._post_forward)
             for u in self.units:
@@ -144,14 +143,15 @@ class ZeroModel(nn.Module):
         return out
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        units = self._units_of_module[id(module)]
-        for u in units:
+        slot = self._slot_of_module[id(module)]
+        for u in self._slots[slot]:
             u.wait_gathered()
         if torch.is_grad_enabled():
-            self._gather_slot(units[0].slot + 1)  # type: ignore[attr-defined]
+            self._gather_slot(slot + 1)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        units = self._units_of_module[id(module)]
+        slot = self._slot_of_module[id(module)]
+        units = self._slots[slot]
         for u in units:
             u.free()
         if torch.is_grad_enabled():
@@ -163,7 +163,7 @@ class ZeroModel(nn.Module):
                     self._arm()
                     for u in units:
                         u.wait_gathered()
-                    self._gather_slot(units[0].slot - 1)  # type: ignore[attr-defined]
+                    self._gather_slot(slot - 1)
                 return grad
 
             for t in _tensors(output):

@@ -22,7 +22,7 @@ def moe_record(stats: MoEStats) -> dict[str, Any]:
     mean = counts.mean(1)
     cv = counts.std(1, unbiased=False) / mean.clamp(min=1e-12)
     return {
-        "moe_layers": [int(n.split("layers.")[1].split(".")[0]) for n in stats.names],
+        "moe_layers": stats.layers,
         "moe_tokens_min": counts.min(1).values.tolist(),
         "moe_tokens_max": counts.max(1).values.tolist(),
         "moe_tokens_cv": cv.tolist(),

@@ -14,14 +14,15 @@ E, DIM, HIDDEN, K = 8, 6, 5, 2
 
 
 def test_expert_major_reorders_source_blocks_by_expert():
-    matrix = torch.tensor([[2, 0, 1], [0, 3, 1]])  # 2 sources x 3 local experts
+    matrix = [[2, 0, 1], [0, 3, 1]]  # 2 sources x 3 local experts
     rows, at = [], 0
     for s in range(2):  # received: source-major blocks
         for e in range(3):
-            rows += [(e, s, at + i) for i in range(int(matrix[s, e]))]
-            at += int(matrix[s, e])
+            rows += [(e, s, at + i) for i in range(matrix[s][e])]
+            at += matrix[s][e]
     want = [r for _, _, r in sorted(rows)]  # expert-major, then source, then arrival
     assert expert_major(matrix).tolist() == want
+    assert expert_major([[0, 0], [0, 0]]).tolist() == []
 
 
 def _inputs(rank: int, tokens: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
