@@ -12,6 +12,8 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -52,9 +54,30 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
         return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
+        exit_within(EXIT_GRACE_S, 2 if isinstance(exc, MeshtrainError) else 1)
         raise
     finally:
         comm.destroy(failure)
+
+
+EXIT_GRACE_S = 3.0  # a failed worker's error is reported and its interpreter gone well within this
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """End this process with ``code`` if it still runs ``seconds`` from now. Python's exit joins
+    every executor thread (an async op's, a bucket's reduction), and one still waiting in a
+    collective on a peer that is itself exiting would hold the process, its host's agent and the
+    job until the collective timeout; the error is reported before then, and the streams are
+    flushed before the end."""
+
+    def end() -> None:
+        time.sleep(seconds)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    threading.Thread(target=end, name="meshtrain-exit", daemon=True).start()
 
 
 def _thread_rank(rank: int, config: Config, progress: bool) -> dict[str, Any]:

@@ -69,6 +69,47 @@ def test_killed_peer_is_named_quickly_and_shm_is_left_clean(tmp_path):
     assert left == []
 
 
+def _blocked_then_destroyed(rank: int, op: str) -> dict:
+    import threading
+
+    import meshtrain.comm as mc
+
+    mc.all_reduce(torch.ones(8), algorithm="shm")  # the buffers are mapped
+    if rank == 1:  # alive, but never calls again: rank 0's wait can end only by destroy() (or the timeout)
+        time.sleep(6)
+        return {}
+    out: dict = {}
+
+    def wait() -> None:
+        try:
+            if op == "recv":
+                mc.recv(torch.empty(8), src=1)
+            else:
+                mc.all_reduce(torch.ones(8), algorithm="shm")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    mc.destroy()
+    thread.join(5)
+    out["seconds"], out["ended"] = time.monotonic() - t0, not thread.is_alive()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["all_reduce", "recv"])
+def test_destroy_ends_a_wait_left_in_another_thread(op):
+    """A failed worker destroys its communicator while an async op or a bucket's reduction still
+    waits in another thread for a live peer: the wait must end then, not at the timeout, or the
+    thread holds the process's exit (Python joins executor threads) and the whole job with it."""
+    res = spawn(2, _blocked_then_destroyed, op, timeout=50, comm_timeout=30, transport="shm")[0]
+    assert res["ended"] and res["seconds"] < 2, res
+    assert "transport is closed" in res["error"], res
+
+
 def _errors(rank: int) -> dict:
     import meshtrain.comm as mc
 

@@ -173,14 +173,14 @@ class ShmTransport(Transport):
         work = _ShmWork(self, dst, f"send to rank {dst} (tag {tag})")
         work._result = result
         with self._lock:
-            self._check_open()
+            self.check_open()
             self.mailbox.send(data, dst, tag, work)
         return work
 
     def _post_recv(self, out: torch.Tensor | None, src: int, tag: int, result: Any) -> Work:
         work = _ShmWork(self, src, f"recv from rank {src} (tag {tag})")
         with self._lock:
-            self._check_open()
+            self.check_open()
             self.mailbox.recv(out, src, tag, work, result)
         return work
 
@@ -217,8 +217,11 @@ class ShmTransport(Transport):
     # -- liveness ------------------------------------------------------------------------------
     def check_alive(self, ranks: Sequence[int], what: str) -> None:
         """Raise if a lost remote rank ended the job (the heartbeats) or a process of ``ranks`` on
-        this host has exited: ``PeerDied`` naming it, its segments removed. ``what``: what this
-        rank was waiting for, for the message."""
+        this host has exited: ``PeerDied`` naming it, its segments removed; ``CollectiveError`` once
+        this transport is closed, so a wait left in another thread (an async op, a bucket's
+        reduction) ends at ``destroy()`` instead of holding the process's exit until its timeout.
+        ``what``: what this rank was waiting for, for the message."""
+        self.check_open()
         if self.liveness is not None:
             self.liveness.raise_if_lost()
         dead = [r for r in ranks if r in self._local_set and r != self.rank and not mem.alive(self.pids[r])]
@@ -229,7 +232,8 @@ class ShmTransport(Transport):
                 f"{who} exited or was killed while rank {self.rank} was waiting for {what}; the "
                 f"job cannot continue: see the log of rank(s) {dead} for the cause", dead)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise ``CollectiveError`` if ``close()`` (``meshtrain.comm.destroy``) has run."""
         if self._closed:
             raise CollectiveError("the shm transport is closed: meshtrain.comm.destroy() was called")
 
@@ -274,7 +278,7 @@ class ShmTransport(Transport):
         key = (name, tuple(ranks))
         a = self._areas.get(key)
         if a is None:
-            self._check_open()
+            self.check_open()
             a = self._areas[key] = ShmArea(self, list(ranks), f"{name}g{zlib.crc32(str(ranks).encode()):08x}",
                                            deadline)
         return a

@@ -216,12 +216,14 @@ class ShmArea:
                               f"(rank {self.t.rank} was waiting for {what})", late)
 
         def check() -> None:
+            self.t.check_open()  # before behind(): close() drops the counters
             self.t.poll()  # queued point-to-point sends of this rank keep moving
             self.t.check_alive(behind(), f"{what} (step {target} of group {self.ranks})")
 
         mine = self.ctrl[self.me]
 
         def sleep_on() -> tuple[int, int]:
+            self.t.check_open()
             mine[WAITING] = 1
             mem.fence()
             for k in members:
