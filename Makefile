@@ -7,8 +7,11 @@ bootstrap:
 run: bootstrap
 	.venv/bin/meshtrain train
 
+# The suite gets a temp dir of its own, removed after: what other programs put in /tmp meanwhile
+# is not in its way, and what it leaves (an aborted run's) is not in theirs.
 test: bootstrap
-	.venv/bin/python -m pytest
+	@d="$$(mktemp -d "$${TMPDIR:-/tmp}/meshtrain-suite.XXXXXX")"; trap 'rm -rf "$$d"' EXIT; \
+	TMPDIR="$$d" .venv/bin/python -m pytest
 
 # On a GPU machine: the CUDA tests and the GPU benchmarks, written to gpu-check/report.md.
 gpu-check: bootstrap
