@@ -1,4 +1,4 @@
-# The two commands of the README. Each bootstraps .venv first (idempotent, fast when done).
+# The README's commands. run and test bootstrap .venv first (idempotent, fast when done).
 .PHONY: run test bootstrap gpu-check
 
 bootstrap:
@@ -13,6 +13,7 @@ test: bootstrap
 	@d="$$(mktemp -d "$${TMPDIR:-/tmp}/meshtrain-suite.XXXXXX")"; trap 'rm -rf "$$d"' EXIT; \
 	TMPDIR="$$d" .venv/bin/python -m pytest
 
-# On a GPU machine: the CUDA tests and the GPU benchmarks, written to gpu-check/report.md.
-gpu-check: bootstrap
+# On a GPU machine: the CUDA tests and the GPU benchmarks, written to gpu-check/report.md. No
+# bootstrap first: it takes .venv or a python3 whose torch sees CUDA as they are (the script says which).
+gpu-check:
 	@bash scripts/gpu_check.sh

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..comm.device import on_host
 from ..models.llama import PRESETS
 
 
@@ -76,7 +77,7 @@ def _plain_trial(args: argparse.Namespace, cfg: Any, device: torch.device) -> fl
     if args.compile:
         for block in model.layers.values():
             block.compile()
-    fused = {"fused": True} if device.type == "cuda" else {}
+    fused = {"fused": True} if not on_host(device) else {}  # as the trainer: fused AdamW on a GPU
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(0)
@@ -97,10 +98,10 @@ def _plain_trial(args: argparse.Namespace, cfg: Any, device: torch.device) -> fl
     return statistics.median(times)
 
 
-def _in_a_thread(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a fresh thread, as ``comm.run_local`` runs the trainer: on the CPU, torch ops
-    of a fresh thread measured about 10 % slower here than the main thread's (each thread has its
-    own OpenMP team), a difference of context, not of the two loops."""
+def _in_a_thread(fn: Any, *args: Any, name: str = "plain-loop") -> Any:
+    """``fn(*args)`` in a fresh thread called ``name``, as ``comm.run_local`` runs the trainer: on
+    the CPU, torch ops of a fresh thread measured about 10 % slower here than the main thread's
+    (each thread has its own OpenMP team), a difference of context, not of the two loops."""
     out: list[Any] = []
     errors: list[BaseException] = []
 
@@ -110,7 +111,7 @@ def _in_a_thread(fn: Any, *args: Any) -> Any:
         except BaseException as e:  # re-raised in the caller
             errors.append(e)
 
-    t = threading.Thread(target=target, name="plain-loop")
+    t = threading.Thread(target=target, name=name)
     t.start()
     t.join()
     if errors:

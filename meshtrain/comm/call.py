@@ -14,6 +14,7 @@ import torch
 from . import select
 from .algorithms import algorithms_for, native
 from .communicator import Group, current
+from .device import on_host
 from .transport.base import capabilities
 from .types import ReduceOp
 
@@ -54,19 +55,22 @@ def resolve_group(group: Any) -> Group:
     return group
 
 
-def check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
-    """``t`` if it is a tensor this transport can move; TypeError/ValueError naming ``what`` if not."""
+def check_tensor(t: Any, g: Group, what: str = "tensor") -> torch.Tensor:
+    """``t`` if it is a tensor that ``g``'s transport can move; TypeError/ValueError naming ``what``
+    if not."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        _check_device(t, what)
+    if not on_host(t):
+        _check_device(t, g, what)
     return t
 
 
-def _check_device(t: torch.Tensor, what: str) -> None:
+def _check_device(t: torch.Tensor, g: Group, what: str) -> None:
     """The shm transport moves bytes through host shared memory: a GPU tensor there would cost a
-    hidden device-to-host copy per step at best, so it is refused, with the fix."""
-    if capabilities(current().transport).cpu_only:
+    hidden device-to-host copy per step at best, so it is refused, with the fix. The transport is
+    the group's: a call may come from a thread with no communicator bound (DataParallel's bucket
+    worker, autograd's device thread on a GPU), so the thread's is not asked."""
+    if capabilities(g.comm.transport).cpu_only:
         raise ValueError(
             f"{what} is on {t.device}, but the shm transport moves CPU tensors through shared memory: "
             f"for GPU tensors use init(transport='torch') over an NCCL process group (transport "
@@ -79,7 +83,7 @@ def check_list(lst: Any, g: Group, like: torch.Tensor, name: str) -> None:
         got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
         raise ValueError(f"{name} must be a list of {g.size} tensors (the group size), got {got}")
     for i, t in enumerate(lst):
-        check_tensor(t, f"{name}[{i}]")
+        check_tensor(t, g, f"{name}[{i}]")
         if t.numel() != like.numel() or t.dtype != like.dtype:
             raise ValueError(
                 f"{name}[{i}] has {t.numel()} elements of {t.dtype}; every entry must match "

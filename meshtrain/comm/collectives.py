@@ -33,7 +33,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None
                async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """Reduce ``tensor`` across the group, in place on every rank."""
     g, rop = resolve_group(group), parse_op(op)
-    check_dtype(check_tensor(tensor).dtype, rop)
+    check_dtype(check_tensor(tensor, g).dtype, rop)
     nbytes = tensor.numel() * tensor.element_size()
     # A symmetric tensor (comm.symmetric_empty) is reduced in place in the members' shared memory,
     # cheaper than any algorithm the cost model prices, so auto takes it. Every member must pass
@@ -68,7 +68,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group 
            async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """Reduce ``tensor`` across the group into ``tensor`` on global rank ``dst`` (others unchanged)."""
     g, rop = resolve_group(group), parse_op(op)
-    check_dtype(check_tensor(tensor).dtype, rop)
+    check_dtype(check_tensor(tensor, g).dtype, rop)
     root = g.check_root(dst, "dst")
     nbytes = tensor.numel() * tensor.element_size()
     algo = choose_algorithm(g, "reduce", algorithm, nbytes, tensor.dtype)
@@ -94,7 +94,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None, async_
               algorithm: str = "auto") -> Work | None:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place."""
     g = resolve_group(group)
-    check_dtype(check_tensor(tensor).dtype)
+    check_dtype(check_tensor(tensor, g).dtype)
     root = g.check_root(src, "src")
     nbytes = tensor.numel() * tensor.element_size()
     algo = choose_algorithm(g, "broadcast", algorithm, nbytes, tensor.dtype)
@@ -128,7 +128,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
                async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``tensor_list[i]`` receives rank i's ``tensor`` (group order), on every rank."""
     g = resolve_group(group)
-    check_dtype(check_tensor(tensor).dtype)
+    check_dtype(check_tensor(tensor, g).dtype)
     check_list(tensor_list, g, tensor, "tensor_list")
     nbytes = tensor.numel() * tensor.element_size() * g.size
     algo = choose_algorithm(g, "all_gather", algorithm, nbytes, tensor.dtype)
@@ -140,8 +140,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """Concatenate every rank's ``input_tensor`` along dim 0 (or flat) into ``output_tensor``."""
     g = resolve_group(group)
-    check_dtype(check_tensor(input_tensor, "input_tensor").dtype)
-    check_tensor(output_tensor, "output_tensor")
+    check_dtype(check_tensor(input_tensor, g, "input_tensor").dtype)
+    check_tensor(output_tensor, g, "output_tensor")
     if output_tensor.numel() != input_tensor.numel() * g.size or output_tensor.dtype != input_tensor.dtype:
         raise ValueError(
             f"all_gather_into_tensor: output_tensor has {output_tensor.numel()} elements of "
@@ -178,7 +178,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
                    group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``output`` on rank i receives the reduction over ranks of ``input_list[i]``."""
     g, rop = resolve_group(group), parse_op(op)
-    check_dtype(check_tensor(output, "output").dtype, rop)
+    check_dtype(check_tensor(output, g, "output").dtype, rop)
     check_list(input_list, g, output, "input_list")
     nbytes = output.numel() * output.element_size() * g.size
     algo = choose_algorithm(g, "reduce_scatter", algorithm, nbytes, output.dtype)
@@ -190,8 +190,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
                           group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``input`` is world size x ``output`` (dim 0 or flat); rank i gets the reduced i-th part."""
     g, rop = resolve_group(group), parse_op(op)
-    check_dtype(check_tensor(output, "output").dtype, rop)
-    check_tensor(input, "input")
+    check_dtype(check_tensor(output, g, "output").dtype, rop)
+    check_tensor(input, g, "input")
     if input.numel() != output.numel() * g.size or input.dtype != output.dtype:
         raise ValueError(
             f"reduce_scatter_tensor: input has {input.numel()} elements of {input.dtype}; it needs "

@@ -22,7 +22,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
     tensors = list(tensors)
     if not tensors:
         raise ValueError("all_reduce_coalesced needs at least one tensor")
-    dtypes = {check_tensor(t, "tensors[i]").dtype for t in tensors}
+    dtypes = {check_tensor(t, g, "tensors[i]").dtype for t in tensors}
     if len(dtypes) != 1:
         raise ValueError(f"all_reduce_coalesced: all tensors must share one dtype, got {sorted(map(str, dtypes))}; "
                          "call it once per dtype")
@@ -35,8 +35,9 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
         wd = work_dtype(dtype, rop)
-        # A separate pool name from the algorithms' scratch, so packing never aliases them.
-        flat = g.pool.get("fusion", total, wd, torch.device("cpu"))
+        # A separate pool name from the algorithms' scratch, so packing never aliases them; on the
+        # tensors' device (a CPU buffer would send device tensors through the host, or to NCCL)
+        flat = g.pool.get("fusion", total, wd, tensors[0].device)
         off = 0
         for t in tensors:
             flat[off : off + t.numel()].copy_(t.reshape(-1))

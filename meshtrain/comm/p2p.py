@@ -43,7 +43,7 @@ def _prep(tensor: torch.Tensor, peer: int | None, group: Group | None, tag: int,
     """(group, transport tag, global peer rank) of a send/recv, or the error that names the fix."""
     g = resolve_group(group)
     peer = _peer(g, peer, group_peer, "dst" if what == "send" else "src")
-    check_dtype(check_tensor(tensor).dtype)
+    check_dtype(check_tensor(tensor, g).dtype)
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: tensor must be contiguous (call .contiguous() first)")
     g.check_root(peer, "peer rank")

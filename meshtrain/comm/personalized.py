@@ -20,7 +20,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
            group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``gather_list[i]`` on global rank ``dst`` receives rank i's ``tensor``."""
     g = resolve_group(group)
-    check_dtype(check_tensor(tensor).dtype)
+    check_dtype(check_tensor(tensor, g).dtype)
     root = g.check_root(dst, "dst")
     if g.rank == root:
         check_list(gather_list, g, tensor, "gather_list")
@@ -39,7 +39,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
             group: Group | None = None, async_op: bool = False, algorithm: str = "auto") -> Work | None:
     """``tensor`` on rank i receives ``scatter_list[i]`` of global rank ``src``."""
     g = resolve_group(group)
-    check_dtype(check_tensor(tensor).dtype)
+    check_dtype(check_tensor(tensor, g).dtype)
     root = g.check_root(src, "src")
     if g.rank == root:
         check_list(scatter_list, g, tensor, "scatter_list")
@@ -62,7 +62,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
         if not isinstance(lst, (list, tuple)) or len(lst) != g.size:
             raise ValueError(f"{name} must be a list of {g.size} tensors (the group size)")
         for i, t in enumerate(lst):
-            check_dtype(check_tensor(t, f"{name}[{i}]").dtype)
+            check_dtype(check_tensor(t, g, f"{name}[{i}]").dtype)
     dtypes = {t.dtype for t in list(output_tensor_list) + list(input_tensor_list)}
     if len(dtypes) > 1:
         raise ValueError(f"all_to_all: every tensor must have one dtype, got {sorted(map(str, dtypes))}")
@@ -113,8 +113,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     parts of every rank in group order, cut by ``output_split_sizes``; in place in ``output``.
     Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]`` (checked)."""
     g = resolve_group(group)
-    check_tensor(output, "output")
-    check_tensor(input, "input")
+    check_tensor(output, g, "output")
+    check_tensor(input, g, "input")
     if output.dtype != input.dtype:
         raise ValueError(f"all_to_all_single: output is {output.dtype} but input is {input.dtype}; "
                          "both must have one dtype")

@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import comm
 from ..comm import Group
+from ..comm.device import on_host
 from .buckets import GradBucket, build_buckets
 from .grad_groups import ReduceGroup, by_reduce_group
 
@@ -158,7 +159,7 @@ class DataParallel(nn.Module):
     def _bucket_buffer(self, group: Group, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket's memory: symmetric on CPU, so that on one host's shared memory the all-reduce
         reads the peers' buckets in place (no copy into staging buffers); plain elsewhere."""
-        if device.type != "cpu":
+        if not on_host(device):
             return torch.empty(numel, dtype=dtype, device=device)
         return comm.symmetric_empty(numel, dtype, group)
 
@@ -216,17 +217,18 @@ class DataParallel(nn.Module):
                 for b in self.buckets:
                     by_group.setdefault(id(b.group), (b.group, []))[1].append(b)
                 for g, bs in by_group.values():
-                    flags = torch.tensor([float(p.grad is not None) for b in bs for p in b.params])
+                    # on the buckets' device: NCCL moves device tensors only
+                    flags = torch.tensor([float(p.grad is not None) for b in bs for p in b.params],
+                                         device=bs[0].buffer.device)
                     used.append((bs, flags))
                     self._futures.append(self._worker.submit(comm.all_reduce, flags, "max", g))
             for f in self._futures:
                 f.result()
             for bs, flags in used:
-                k = 0
+                seen = iter(flags.tolist())  # one host read, not one per parameter
                 for b in bs:
                     for i, p in enumerate(b.params):
-                        p.grad = b.view(i) if flags[k] > 0 else None
-                        k += 1
+                        p.grad = b.view(i) if next(seen) > 0 else None
         finally:
             self._futures = []
             self._next = 0

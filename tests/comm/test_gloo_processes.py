@@ -155,6 +155,31 @@ def test_groups_async_p2p_coalesced_over_gloo():
     assert all(r["coalesced"] == (6.0, 4.0) for r in res)
 
 
+def _native_off_the_host(rank: int) -> list[list[float]]:
+    """Runs in every process (its own, so nothing leaks): torch's own collectives with every tensor
+    read as off the host (tests/_accelerator.py), so the device paths of ``native`` and
+    ``dispatch`` run on gloo: NCCL's synchronous calls, the list forms, no reduce-scatter over
+    all-reduce."""
+    import meshtrain.comm as mc
+    from meshtrain.comm import device
+
+    device.HOST_DEVICE_TYPES = frozenset()
+    x = torch.arange(4.0) + 10 * rank
+    a, whole, parts, mine = x.clone(), torch.empty(8), [torch.empty(4) for _ in range(2)], torch.empty(2)
+    mc.all_reduce(a, algorithm="native")
+    mc.all_gather_into_tensor(whole, x, algorithm="native")
+    mc.all_gather(parts, x, algorithm="native")
+    mc.reduce_scatter_tensor(mine, x, algorithm="native")
+    return [a.tolist(), whole.tolist(), torch.cat(parts).tolist(), mine.tolist()]
+
+
+def test_native_collectives_off_the_host_over_gloo():
+    xs = [torch.arange(4.0) + 10 * r for r in range(2)]
+    for rank, got in enumerate(spawn(2, _native_off_the_host, timeout=60)):
+        total = (xs[0] + xs[1]).tolist()
+        assert got == [total, torch.cat(xs).tolist(), torch.cat(xs).tolist(), total[2 * rank : 2 * rank + 2]]
+
+
 def _mismatch(rank: int, op: str, algo: str) -> None:
     import meshtrain.comm as mc
 

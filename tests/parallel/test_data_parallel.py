@@ -8,6 +8,7 @@ import torch
 from meshtrain import comm
 from meshtrain.parallel.data import DataParallel, NaiveDataParallel
 
+from .._accelerator import as_accelerator, device_check_threads
 from ._models import assert_close_state, batches, loss_fn, make_model, make_opt, reference, shard
 
 STEPS, BATCH = 5, 24
@@ -154,3 +155,16 @@ def test_a_dropped_wrapper_is_freed_with_its_worker_thread():
     for t in threads:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in threads) and threads, threads
+
+
+def test_a_device_step_reduces_its_buckets_from_the_worker_thread(monkeypatch):
+    """Through the accelerator double (tests/_accelerator.py): the buckets' all-reduces (and the
+    unused-parameter flags') take comm's device check on DataParallel's worker thread, which has no
+    communicator; on a GPU that check asked the thread's and failed (issue 32)."""
+    as_accelerator(monkeypatch)
+    threads = device_check_threads(monkeypatch)
+    want = _ref(unused=True)
+    for g in comm.run_local(2, _train, 2, DataParallel, unused=True, find_unused_parameters=True,
+                            bucket_cap_mb=0.003, timeout=60):
+        assert_close_state(g, want)
+    assert any(t.startswith("meshtrain-dp") for t in threads), sorted(set(threads))

@@ -1,27 +1,43 @@
 """The same checks on every device: collectives on the thread transport, training parity against
-plain PyTorch (fp32 and bf16 autocast) for one rank, dp2 and tp2 (several ranks sharing one GPU
-as threads), and a checkpoint round trip. On a machine without CUDA the ``cuda`` cases skip with
-the reason (``make gpu-check`` runs them on a GPU); the ``cpu`` cases always run."""
+plain PyTorch (fp32 and bf16 autocast) for one rank, dp2 and tp2, and in fp32 for pp2 and ZeRO-3
+over dp2 (several ranks sharing one GPU as threads), and a checkpoint round trip. On a machine without CUDA the ``cuda`` cases skip with
+the reason (``make gpu-check`` runs them on a GPU); the ``cpu`` cases always run, and so do the
+``cpu-as-accelerator`` ones: CPU tensors through the branches and threads of a device run
+(``tests/_accelerator.py``), which is how CPU CI sees the bugs that only a GPU used to find."""
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from meshtrain import comm
 
+from .._accelerator import as_accelerator
 from ._parity import CFG, LR, batches
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+ACCELERATOR = "cpu-as-accelerator"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda), ACCELERATOR]
 STEPS = 3
 # bf16 autocast: sharded layouts round partial sums differently; fp32: reduction order only
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 
 
+def _device(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The torch device a case runs on; the accelerator double runs on the CPU."""
+    if name == ACCELERATOR:
+        as_accelerator(monkeypatch)
+        return "cpu"
+    return name
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_collectives_on_the_device(device):
+def test_collectives_on_the_device(device, monkeypatch):
+    device = _device(device, monkeypatch)
+
     def fn(rank):
         x = torch.arange(8, dtype=torch.float32, device=device) + 10 * rank
         out = {}
@@ -74,12 +90,13 @@ def _plain(device: str, precision: str) -> list[float]:
     return losses
 
 
-def _meshtrain(rank: int, layout: dict, device: str, precision: str) -> list[float]:
+def _meshtrain(rank: int, layout: dict, device: str, precision: str, **settings) -> list[float]:
     from meshtrain.mesh import Mesh
     from meshtrain.parallel.parallel_model import ParallelModel
     from meshtrain.parallel.parallelize import ParallelConfig
 
-    model = ParallelModel(CFG, Mesh(**layout), ParallelConfig(precision=precision), seed=0, device=device)
+    pc = ParallelConfig(precision=precision, **settings)
+    model = ParallelModel(CFG, Mesh(**layout), pc, seed=0, device=device)
     opt = model.build_optimizer(torch.optim.AdamW, lr=LR)
     losses = []
     for d in batches(STEPS):
@@ -94,7 +111,8 @@ def _meshtrain(rank: int, layout: dict, device: str, precision: str) -> list[flo
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_rank_dp2_and_tp2_match_plain_pytorch_on_the_device(device, precision):
+def test_one_rank_dp2_and_tp2_match_plain_pytorch_on_the_device(device, precision, monkeypatch):
+    device = _device(device, monkeypatch)
     want = _plain(device, precision)
     for layout in ({"dp": 1}, {"dp": 2}, {"tp": 2}):
         for got in comm.run_local(math.prod(layout.values()), _meshtrain, layout, device, precision, timeout=120):
@@ -103,11 +121,24 @@ def test_one_rank_dp2_and_tp2_match_plain_pytorch_on_the_device(device, precisio
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_checkpoint_round_trip_on_the_device(tmp_path, device):
+def test_pp2_and_zero3_match_plain_pytorch_on_the_device(device, monkeypatch):
+    """The pipeline engine's messages and ZeRO-3's gathers and reduce-scatters on the device."""
+    device = _device(device, monkeypatch)
+    want = _plain(device, "fp32")
+    for layout, settings in (({"pp": 2}, {"microbatches": 2}), ({"dp": 2}, {"zero_stage": 3})):
+        for got in comm.run_local(2, _meshtrain, layout, device, "fp32", timeout=120, **settings):
+            rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            assert rel <= TOLERANCE["fp32"], (layout, settings, got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_round_trip_on_the_device(tmp_path, device, monkeypatch):
     from meshtrain.mesh import Mesh
     from meshtrain.parallel.parallel_model import ParallelModel
     from meshtrain.parallel.parallelize import ParallelConfig
     from meshtrain.train.checkpoint import load_checkpoint, save_checkpoint
+
+    device = _device(device, monkeypatch)
 
     def fn(rank):
         def build(seed):
@@ -125,3 +156,23 @@ def test_checkpoint_round_trip_on_the_device(tmp_path, device):
         return all(p.device.type == device and torch.equal(p, q) for (_, p), (_, q) in pairs)
 
     assert comm.run_local(2, fn, timeout=120) == [True, True]
+
+
+def test_every_host_branch_asks_on_host():
+    """A branch on "is this tensor on the CPU" in comm, parallel or bench asks ``comm.device.on_host``,
+    so that the accelerator double reaches its device side on CPU CI (issue 32)."""
+    import meshtrain
+
+    root = Path(meshtrain.__file__).parent
+    found = []
+    for pkg in ("comm", "parallel", "bench"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path == root / "comm" / "device.py":  # on_host itself
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                cpu_type = (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                            and node.left.attr == "type"
+                            and any(isinstance(c, ast.Constant) and c.value == "cpu" for c in node.comparators))
+                if cpu_type or (isinstance(node, ast.Attribute) and node.attr == "is_cpu"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"ask meshtrain.comm.device.on_host instead: {found}"

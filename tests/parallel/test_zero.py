@@ -8,6 +8,7 @@ import torch
 from meshtrain import comm
 from meshtrain.parallel.zero import ZeroModel, ZeroOptimizer
 
+from .._accelerator import BACKWARD_THREAD, as_accelerator, device_check_threads
 from ._models import assert_close_state, batches, loss_fn, make_model, reference, shard
 
 STEPS, BATCH = 5, 24
@@ -51,6 +52,19 @@ def test_zero3_with_a_root_unit_and_nested_blocks():
     want = reference(STEPS, BATCH, seed=100)
     for got in comm.run_local(3, _train, 3, 3, units=["mid.0", "mid.2"], timeout=60):
         assert_close_state(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_device_step_reduces_from_the_backward_thread(stage, monkeypatch):
+    """Through the accelerator double (tests/_accelerator.py): the reduce-scatters (and stage 3's
+    gathers) that backward hooks start take comm's device check on the backward's own thread, which
+    has no communicator; on a GPU that check asked the thread's and failed (issue 32)."""
+    as_accelerator(monkeypatch)
+    threads = device_check_threads(monkeypatch)
+    want = reference(STEPS, BATCH, seed=100)
+    for got in comm.run_local(2, _train, 2, stage, timeout=60):
+        assert_close_state(got, want)
+    assert BACKWARD_THREAD in threads, sorted(set(threads))
 
 
 def _bytes(ts) -> int:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..device import on_host
 from ..transport.base import Capabilities
 from ..types import ReduceOp, work_dtype
 from . import direct, hierarchical, native, recursive, ring, shm_direct, tree
@@ -157,7 +158,7 @@ def _reduce_scatter_shm(ctx: Ctx, g: Group, out: torch.Tensor, ins: list[torch.T
 
 
 def _reduce_scatter_native(ctx: Ctx, g: Group, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    if out.is_cpu and g.size <= RS_OVER_ALL_REDUCE_MAX and "gloo" in getattr(ctx.transport, "backend", ""):
+    if on_host(out) and g.size <= RS_OVER_ALL_REDUCE_MAX and "gloo" in getattr(ctx.transport, "backend", ""):
         return _reduce_scatter_over_all_reduce(ctx, g, out, ins, op)
     wd = _work_dtype(out, op)
     tmp_out = out if wd == out.dtype else out.to(wd)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions as _AllgatherOptions  # not in dist.*
 
+from ..device import on_host
 from ..transport.base import usable_cores
 from ..types import ReduceOp
 
@@ -144,7 +145,7 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _on_cpu(t: torch.Tensor | list[torch.Tensor]) -> bool:
-    return (t[0] if isinstance(t, list) else t).is_cpu
+    return on_host(t[0] if isinstance(t, list) else t)
 
 
 def finish(work: dist.Work, nbytes: int = 0) -> None:
@@ -239,7 +240,7 @@ def joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
     storage), or None: gloo's tensor forms of all-gather and reduce-scatter skip the list forms'
     per-block copies."""
     first = ts[0]
-    if not first.is_cpu:  # NCCL's list forms are not slower; keep one path there
+    if not on_host(first):  # NCCL's list forms are not slower; keep one path there
         return None
     es, at = first.element_size(), first.data_ptr()
     for t in ts:
