@@ -148,6 +148,12 @@ def validate(config: Config) -> None:
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 = {t.beta1} and train.beta2 = {t.beta2} must "
           f"be in [0, 1)")
     # (train.precision is ParallelConfig's, checked by parallel_config above)
+    _need(math.isfinite(t.loss_scale_init) and t.loss_scale_init >= 1, f"train.loss_scale_init = "
+          f"{t.loss_scale_init} must be a finite number >= 1 (the fp16 loss scale never backs off below 1); use "
+          f"e.g. train.loss_scale_init = 65536 (2^16)")
+    _need(t.loss_scale_growth_interval >= 1, f"train.loss_scale_growth_interval = {t.loss_scale_growth_interval} "
+          f"must be >= 1 (clean steps before the fp16 loss scale doubles); use e.g. "
+          f"train.loss_scale_growth_interval = 2000")
     for key, value, choices in (("train.device", t.device, DEVICES), ("comm.transport", c.transport, TRANSPORTS),
                                 ("comm.backend", c.backend, BACKENDS)):
         _need(value in choices, f"{key} = {value!r} is not one of {', '.join(choices)}")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 AC_MODES = ("none", "full", "selective")
 """The values of ``ParallelConfig.activation_checkpointing``."""
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 """The values of ``ParallelConfig.precision``."""
 
 
@@ -43,8 +43,9 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size."""
     precision: str = "fp32"
-    """"fp32", or "bf16": forwards under ``torch.autocast(bfloat16)``; parameters, gradients, their
-    reductions and the optimizer stay fp32 (fp32 masters)."""
+    """"fp32", "bf16" or "fp16": forwards under ``torch.autocast`` to that dtype; parameters,
+    gradients, their reductions and the optimizer stay fp32 (fp32 masters). fp16 needs loss
+    scaling, which the trainer runs (``DynamicLossScaler``); a loop of one's own must too."""
     compile: bool = False
     """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
     checkpointing are applied, before data parallel / ZeRO wrap the model)."""
@@ -67,13 +68,8 @@ def check_parallel_values(values: Mapping[str, Any], key: Callable[[str], str] =
                           f"of {', '.join(AC_MODES)}")
     if values["zero_stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"{key('zero_stage')} = {values['zero_stage']!r}: use 0 (plain data parallel), 1, 2 or 3")
-    precision = key("precision")
-    if values["precision"] == "fp16":
-        raise ConfigError(f"{precision} = 'fp16' is not supported: fp16 needs loss scaling, which the trainer does "
-                          f"not run (only ZeroModel + DynamicLossScaler offer it); use bf16: {precision} = 'bf16' "
-                          f"(same speed on hardware with bf16, no scaling)")
     if values["precision"] not in PRECISIONS:
-        raise ConfigError(f"{precision} = {values['precision']!r} is not one of {', '.join(PRECISIONS)}")
+        raise ConfigError(f"{key('precision')} = {values['precision']!r} is not one of {', '.join(PRECISIONS)}")
     for name in ("checkpoint_every", "microbatches", "virtual_stages"):
         if not isinstance(values[name], int) or values[name] < 1:
             raise ConfigError(f"{key(name)} = {values[name]!r} must be a positive integer")

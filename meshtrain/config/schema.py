@@ -172,7 +172,13 @@ class TrainSection:
     seed: int = 0
     """Seed of the initial weights and of the data order; the same seed repeats a run."""
     precision: str = "fp32"
-    """Compute dtype: "fp32" or "bf16" (autocast; fp32 master weights, gradients and reductions)."""
+    """Compute dtype: "fp32", "bf16" or "fp16" (autocast; fp32 master weights, gradients and
+    reductions). fp16 runs dynamic loss scaling: a step whose gradients overflow on any rank is
+    skipped on every rank and the scale halved."""
+    loss_scale_init: float = 65536.0
+    """fp16: the initial loss scale (2^16, as GradScaler and DeepSpeed's initial_scale_power = 16); >= 1."""
+    loss_scale_growth_interval: int = 2000
+    """fp16: double the loss scale after this many clean steps in a row (>= 1)."""
     compile: bool = False
     """Compile each transformer block with ``torch.compile`` (needs a C++ compiler on the CPU)."""
     device: str = "auto"

@@ -54,6 +54,9 @@ class MoEStepInfo:
     shares: int = 1
     """Data x context parallel ranks the gradients are averaged over: the injected auxiliary-loss
     gradient is multiplied by it so that the average comes out as the sum."""
+    loss_scale: float = 1.0
+    """The factor the step's losses are multiplied by before backward (fp16 loss scaling): the
+    injected auxiliary-loss gradient is scaled alike, as Megatron's MoEAuxLossAutoScaler is."""
 
 
 @dataclass
@@ -292,7 +295,7 @@ class MoE(nn.Module):
             chosen_counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
             aux = self._aux_loss(route.scores, chosen, chosen_counts, b) if self.aux_loss_coef > 0 else None
             if aux is not None:
-                out = AuxLossInjector.apply(out, aux, self.step_info.shares)
+                out = AuxLossInjector.apply(out, aux, self.step_info.shares * self.step_info.loss_scale)
             if not in_backward():  # a real forward, not activation checkpointing's recompute
                 self._count(x.device, chosen_counts, kept if math.isfinite(self.capacity_factor) else None, aux)
         return out.view(b, s, d).to(x.dtype)

@@ -30,6 +30,7 @@ from .parallelize import ZERO_VIEW, ParallelConfig, autocast_dtype, parallelize
 from .pipeline.engine import PipelineEngine, StepStats
 from .pipeline.partition import split_stages
 from .pipeline.schedule import build_schedule, check_schedule
+from .precision import DynamicLossScaler
 from .tensor import vocab_parallel_cross_entropy
 from .zero import ZeroModel, ZeroOptimizer
 
@@ -97,18 +98,21 @@ class ParallelModel:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one global batch (batch, seq); gradients end reduced over dp x cp.
-        Returns the global mean loss (the same value on every rank)."""
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one global batch (batch, seq); gradients end reduced over dp x cp,
+        multiplied by ``loss_scale`` (fp16 loss scaling: ``ParallelOptimizer.unscale_`` divides
+        it out). Returns the global mean loss, unscaled (the same value on every rank)."""
         tok, tgt, pos = self.local_batch(tokens, targets)
         self._tokens_per_rank = tgt.numel()
         m = self.config.microbatches
         if self.cfg.n_experts:
-            info = MoEStepInfo(global_rows=tokens.shape[0], microbatches=m, shares=self.mesh.size("dp_cp"))
+            info = MoEStepInfo(global_rows=tokens.shape[0], microbatches=m, shares=self.mesh.size("dp_cp"),
+                               loss_scale=loss_scale)
             for stage in self.stages.values():
                 set_moe_step(unwrap(stage), info)
         loss, self.last_stats = self.engine.run(self.actions, list(tok.chunk(m)), list(tgt.chunk(m)),
-                                                {"positions": pos}, signature=(tuple(tokens.shape), m))
+                                                {"positions": pos}, signature=(tuple(tokens.shape), m),
+                                                loss_scale=loss_scale)
         if self.cfg.n_experts:
             self.moe_stats = self._finish_moe_step()
         if self.mesh.pp > 1:  # only the last stage has it
@@ -203,6 +207,14 @@ class ParallelOptimizer:
                     if a < b:
                         out.append((g[a - u.lo : b - u.lo], placement_of(p).sharded_over | {u.view or ZERO_VIEW}))
         return out
+
+    def unscale_(self, scaler: DynamicLossScaler) -> torch.Tensor:
+        """fp16: divide the gradient pieces this rank holds (ZeRO: its shards, replicas averaged
+        first) by the loss scale; return the overflow flag agreed over the whole world (a float32
+        tensor of one element on the device, 1: some rank saw inf/NaN), so that every rank skips
+        the same steps. Call it before ``clip_grad_norm_``. Collective over the world; no host read."""
+        found = scaler.unscale_([g for g, _ in self._grad_pieces()], self.model.engine.device)
+        return scaler.agree(found, self.model.mesh.comm.world)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of the whole model's gradient (over tp slices, pipeline stages and

@@ -33,7 +33,7 @@ from .zero import ZeroModel
 
 ZERO_VIEW = "dp_shard_cp"
 """The mesh view ZeRO shards over: dp_shard x cp (dp_replicate holds replicas of the shards)."""
-_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -160,7 +160,7 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
     materialize(model, device, seed)
     groups = reduce_groups(mesh, model, zero=bool(config.zero_stage))
     if config.zero_stage:
-        # bf16: the units gather and compute in bf16 (half the all-gather bytes), reduce in fp32;
+        # bf16 / fp16: the units gather and compute in it (half the all-gather bytes), reduce in fp32;
         # buffers (the experts' routing bias) stay fp32
         mp = MixedPrecision(param_dtype=autocast_dtype(config.precision), buffer_dtype=torch.float32) \
             if config.precision != "fp32" else None

@@ -32,38 +32,79 @@ class MixedPrecision:
 
 
 class DynamicLossScaler:
-    """Loss scaling for fp16: multiply the loss by ``scale``; before a step, unscale the gradients
-    and skip the step if any rank of the group saw inf/NaN (then halve the scale); after
-    ``growth_interval`` good steps in a row, double it. All ranks agree through one all-reduce."""
+    """Dynamic loss scaling for fp16, as ``torch.amp.GradScaler`` and DeepSpeed's ``loss_scale: 0``:
+    backward runs on ``loss * scale``; before the step the gradients are divided by ``scale`` and
+    checked for inf/NaN, and the ranks agree on the verdict (one all-reduce max); an overflow
+    anywhere skips the step on every rank and multiplies the scale by ``backoff``, and
+    ``growth_interval`` clean steps in a row multiply it by ``growth``. The scale is a host float:
+    the verdict reaches the host in the trainer's one read per step, so updating it costs no sync."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
                  backoff: float = 0.5, growth: float = 2.0, min_scale: float = 1.0) -> None:
         self.scale = float(init_scale)
+        """The factor the next backward's loss is multiplied by."""
         self.growth_interval = growth_interval
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
-        self._good = 0
+        self.good_steps = 0
+        """Clean steps since the last overflow or growth."""
         self.skipped = 0
+        """Steps skipped for an overflow so far."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on."""
         return loss * self.scale
 
-    def unscale_and_check(self, params: Iterable[torch.Tensor], group: Group | None = None) -> bool:
-        """Divide the gradients by the scale; return False (and back off) if any rank overflowed."""
-        grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        bad = torch.zeros(1, device=device)
-        for g in grads:  # flags accumulate on the device: one host read below, not one per gradient
-            g.div_(self.scale)
-            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    def unscale_(self, grads: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """Divide ``grads`` (what this rank holds) by the scale in place; return this rank's
+        overflow flag, a float32 tensor of one element (1: some gradient is inf/NaN), on the
+        gradients' device (``device`` if there are none). GradScaler's fused kernel, one launch
+        per (device, dtype); no host read."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        device = next(iter(by_kind))[0] if by_kind else (device or torch.device("cpu"))
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        for (dev, _), gs in by_kind.items():
+            flag = torch.zeros(1, dtype=torch.float32, device=dev)
+            # the reciprocal in float64, then float32, as GradScaler computes it: the same bits
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv)
+            found = torch.maximum(found, flag.to(device))
+        return found
+
+    @staticmethod
+    def agree(found: torch.Tensor, group: Group | None) -> torch.Tensor:
+        """The overflow flag of every rank of ``group`` (all-reduce max, in place): ranks that
+        skip alone would leave the others waiting in the next collective, or diverge."""
         if group is not None and group.size > 1:
-            comm.all_reduce(bad, op="max", group=group)
-        if bad.item() > 0:  # the one host read (every rank must agree on skipping the step)
+            comm.all_reduce(found, op="max", group=group)
+        return found
+
+    def update(self, overflow: bool) -> bool:
+        """Record one step's agreed verdict; return whether the optimizer may step. An overflow
+        backs the scale off (not below ``min_scale``) and restarts the count of clean steps."""
+        if overflow:
             self.scale = max(self.scale * self.backoff, self.min_scale)
-            self._good = 0
+            self.good_steps = 0
             self.skipped += 1
             return False
-        self._good += 1
-        if self._good % self.growth_interval == 0:
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
             self.scale *= self.growth
+            self.good_steps = 0
         return True
+
+    def unscale_and_check(self, params: Iterable[torch.Tensor], group: Group | None = None) -> bool:
+        """Unscale the parameters' gradients, agree over ``group`` and update (one host read);
+        return False (skip the step) if any rank overflowed."""
+        found = self.agree(self.unscale_([p.grad for p in params if p.grad is not None]), group)
+        return self.update(bool(found.item()))
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The scale and step counts (equal on every rank), for a checkpoint."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.scale = float(state["scale"])
+        self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])

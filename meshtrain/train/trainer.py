@@ -23,6 +23,7 @@ from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
+from ..parallel.precision import DynamicLossScaler
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .checkpoint_async import CheckpointSaver
 from .config import Config, TrainSection, model_config, parallel_config, to_dict, to_toml
@@ -31,6 +32,7 @@ from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .moe_metrics import moe_record, plot_load_balance
 from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
+from .step import StepResult, apply_step, measure_step
 from .tokenizer import prepare_data
 
 
@@ -49,7 +51,10 @@ def lr_at(step: int, t: TrainSection) -> float:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto``: this rank's CUDA device if CUDA is available, else the CPU."""
+    """``auto``: this rank's CUDA device if CUDA is available, else the CPU. This rank's CUDA
+    device is its rank modulo the visible devices: the communicator's rank where one is bound
+    (ranks as threads take the GPUs in turn), else ``LOCAL_RANK`` (torchrun), else 0; so a tool
+    that runs outside any communicator (``meshtrain bench loop``) may call it too."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -57,7 +62,8 @@ def resolve_device(name: str) -> torch.device:
                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use "
                           f"train.device = 'cpu', or 'auto' to take a GPU only where there is one")
     if name == "cuda":
-        return torch.device("cuda", comm.get_rank() % max(torch.cuda.device_count(), 1))
+        rank = comm.get_rank() if comm.is_initialized() else int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
     return torch.device(name)
 
 
@@ -96,6 +102,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     opt = model.build_optimizer(torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                 **fused)
     loader = GlobalBatchLoader(tokens, t.seq_len, t.global_batch, seed=t.seed)
+    # fp16: dynamic loss scaling (its state is the same on every rank, so it rides in extra)
+    scaler = DynamicLossScaler(t.loss_scale_init, t.loss_scale_growth_interval) if t.precision == "fp16" else None
     with torch.device("meta"):  # the whole model's size, whatever this rank holds
         full = Llama(cfg)
     n_params = num_params(full)
@@ -110,7 +118,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     rank0 = comm.get_rank() == 0
     run_dir = Path(config.out)
     ckpt_root = run_dir / config.checkpoint.dir
-    start_step = _resume(config, ckpt_root, model, opt, loader)
+    start_step = _resume(config, ckpt_root, model, opt, loader, scaler)
     logger = None
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,24 +135,20 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             batch = loader.next_batch()
             comm.reset_stats()
             t0 = time.perf_counter()
-            loss_t = model.forward_backward(batch.inputs.to(device, non_blocking=True),
-                                            batch.targets.to(device, non_blocking=True))
-            norm_t = opt.clip_grad_norm_(t.grad_clip)
-            # the step's one host read (a device sync on a GPU): both scalars at once
-            loss, norm = torch.stack([loss_t.double(), norm_t.double()]).tolist()
-            if not math.isfinite(loss):  # stop before the step writes non-finite weights
-                raise TrainingDiverged(f"the loss became {loss} at step {step}; {_diverged_fix(t, ckpt_root)}")
-            if not math.isfinite(norm):
-                raise TrainingDiverged(f"the gradient norm became {norm} at step {step}; "
-                                       f"{_diverged_fix(t, ckpt_root)}")
-            opt.step()
-            opt.zero_grad()
+            res = measure_step(model, opt, batch.inputs.to(device, non_blocking=True),
+                               batch.targets.to(device, non_blocking=True), t.grad_clip, scaler)
+            loss, norm = res.loss, res.grad_norm
+            _check_finite(res, step, scaler, t, ckpt_root)  # before the step writes non-finite weights
+            apply_step(opt, res, scaler)  # under fp16 an overflow on any rank skips it on all
             dt = time.perf_counter() - t0
             comm_s = sum(g["total"]["time_s"] for g in comm.stats().values())
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
                       "mfu": flops_step / dt / peak, "peak_mem_bytes": peak_memory_bytes(device),
                       "step_s": dt, "comm_s": comm_s, "compute_s": max(dt - comm_s, 0.0),
                       "samples": batch.sample_ids}
+            if scaler is not None:  # a skipped step's norm is NaN: null (JSON has no NaN)
+                record.update(grad_norm=None if res.overflow else norm, loss_scale=res.loss_scale,
+                              skipped=res.overflow, skipped_steps=scaler.skipped)
             if model.moe_stats is not None:
                 record.update(moe_record(model.moe_stats))
             if logger is not None and (step % t.log_every == 0 or step == t.steps):
@@ -153,7 +157,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
                 saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra={
                     "step": step, "loader": loader.state_dict(), "config": to_dict(config),
-                    "rng": torch.get_rng_state()})
+                    "rng": torch.get_rng_state(),
+                    **({"loss_scaler": scaler.state_dict()} if scaler is not None else {})})
         saver.wait()  # an async save in flight is committed before the run ends
     except CollectiveError:
         # a hang or a desync: leave this rank's last collectives for `meshtrain debug hang RUN_DIR`
@@ -166,6 +171,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                "world_size": mesh.world_size,
                "layout": degrees_of(p), "seconds": time.perf_counter() - start,
                "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
+    if scaler is not None:
+        summary.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
     if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
@@ -173,6 +180,24 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         plot_load_balance(hist, run_dir / "load_balance.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _check_finite(res: StepResult, step: int, scaler: DynamicLossScaler | None, t: TrainSection,
+                  ckpt_root: Path) -> None:
+    """Raise ``TrainingDiverged`` for a non-finite loss or gradient norm. Under fp16 an overflowing
+    gradient is the scaler's to handle (the step is skipped), unless the scale is already at its
+    minimum: then the gradients themselves exceed fp16's range, as DeepSpeed concludes too."""
+    if not math.isfinite(res.loss):  # the forward, which loss scaling does not touch
+        raise TrainingDiverged(f"the loss became {res.loss} at step {step}; {_diverged_fix(t, ckpt_root)}")
+    if scaler is not None and res.overflow:
+        if scaler.scale <= scaler.min_scale:
+            raise TrainingDiverged(f"the gradients overflowed float16 at step {step} with the loss scale already at "
+                                   f"its minimum {scaler.min_scale}; use train.precision = 'bf16' (fp32's range), "
+                                   f"or {_diverged_fix(t, ckpt_root)}")
+        return
+    if not math.isfinite(res.grad_norm):
+        raise TrainingDiverged(f"the gradient norm became {res.grad_norm} at step {step}; "
+                               f"{_diverged_fix(t, ckpt_root)}")
 
 
 def _diverged_fix(t: TrainSection, ckpt_root: Path) -> str:
@@ -212,9 +237,11 @@ def check_same_config(config: Config) -> None:
                           f"file and --section.key overrides")
 
 
-def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader) -> int:
+def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader,
+            scaler: DynamicLossScaler | None) -> int:
     """Load the checkpoint ``checkpoint.resume`` names ("auto": this run's latest, if any) into the
-    model, optimizer and loader, under whatever layout this run has; returns its step (0: none)."""
+    model, optimizer, loader and fp16 loss scaler (one saved without a scaler leaves it at its
+    initial scale), under whatever layout this run has; returns its step (0: none)."""
     want = config.checkpoint.resume
     if not want:
         return 0
@@ -224,4 +251,6 @@ def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: 
     extra = load_checkpoint(path, model, opt)
     loader.load_state_dict(extra["loader"])
     torch.set_rng_state(extra["rng"])
+    if scaler is not None and "loss_scaler" in extra:
+        scaler.load_state_dict(extra["loss_scaler"])
     return int(extra["step"])

@@ -82,6 +82,6 @@ def test_compiled_blocks_keep_fp32_parity(own_header_dir):
             assert _rel(got, want) <= 1e-5, (layout, got, want)
 
 
-def test_unsupported_precision_is_named_with_the_fix():
-    with pytest.raises(ConfigError, match="precision = 'fp16'.*use bf16"):
-        ParallelConfig(precision="fp16")
+def test_unsupported_precision_is_named_with_the_choices():
+    with pytest.raises(ConfigError, match="precision = 'fp8' is not one of fp32, bf16, fp16"):
+        ParallelConfig(precision="fp8")

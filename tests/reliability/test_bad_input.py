@@ -86,7 +86,11 @@ CONFIG_CASES = {
     "model-vocab-smaller-than-tokenizer": (["--model.vocab_size=300"], ["model.vocab_size = 300", "512"]),
     "data-vocab-too-small": (["--data.vocab_size=100"], ["data.vocab_size = 100", "257"]),
     "checkpoint-keep-zero": (["--checkpoint.keep=0"], ["checkpoint.keep >= 1", "keep = 0"]),
-    "precision-fp16": (["--train.precision=fp16"], ["train.precision = 'fp16'", "loss scaling", "'bf16'"]),
+    "precision-typo": (["--train.precision=fp8"], ["train.precision = 'fp8' is not one of fp32, bf16, fp16"]),
+    "loss-scale-init-below-one": (["--train.precision=fp16", "--train.loss_scale_init=0"],
+                                  ["train.loss_scale_init = 0.0 must be a finite number >= 1", "65536"]),
+    "loss-scale-growth-interval-zero": (["--train.precision=fp16", "--train.loss_scale_growth_interval=0"],
+                                        ["train.loss_scale_growth_interval = 0 must be >= 1", "2000"]),
     # mixture of experts
     "ep-not-dividing-dp-shard": (["--model.preset=moe-test", "--parallel.dp=2", "--parallel.tp=1", "--parallel.ep=3"],
                                  ["parallel.ep = 3 must divide dp_shard = 2 x cp = 1", "[1, 2]"]),

@@ -1,4 +1,5 @@
-"""The training step reads the device at most once (loss and gradient norm together): every
+"""The training step reads the device at most once (loss, gradient norm and under fp16 the overflow
+verdict together): every
 ``item`` / ``tolist`` / ``float`` / ``int`` / ``bool`` of a tensor from meshtrain's own code is
 counted, over runs of 2 and 5 steps, so set-up and the end of the run cancel out. On a GPU each
 such read is a sync that stalls the queue of kernels; on this CPU the count is what can be checked."""
@@ -44,7 +45,9 @@ def meshtrain_reads(monkeypatch):
     (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
     (2, ["--parallel.dp=2", "--parallel.tp=1", "--parallel.zero_stage=3"]),
     (4, ["--parallel.dp=1", "--parallel.tp=1", "--parallel.pp=2", "--parallel.cp=2", "--parallel.microbatches=2"]),
-], ids=["one", "dp2xtp2-sp", "zero3", "pp2xcp2"])
+    # fp16: the overflow verdict rides in the same read as loss and norm
+    (2, ["--parallel.dp=2", "--parallel.tp=1", "--parallel.zero_stage=2", "--train.precision=fp16"]),
+], ids=["one", "dp2xtp2-sp", "zero3", "pp2xcp2", "zero2-fp16"])
 def test_one_host_read_per_rank_per_step(tmp_path, meshtrain_reads, ranks, layout):
     per_run = []
     for steps in (2, 5):
@@ -53,6 +56,6 @@ def test_one_host_read_per_rank_per_step(tmp_path, meshtrain_reads, ranks, layou
         per_run.append(dict(meshtrain_reads))
     extra = {k: per_run[1].get(k, 0) - per_run[0].get(k, 0) for k in per_run[1]}
     extra = {k: v for k, v in extra.items() if v}
-    # 3 more steps on every rank: exactly one read each, in the trainer, before the optimizer step
+    # 3 more steps on every rank: exactly one read each, in the trainer's step, before the optimizer step
     assert sum(extra.values()) == 3 * ranks, extra
-    assert all("train/trainer.py" in k for k in extra), extra
+    assert all("train/step.py" in k for k in extra), extra

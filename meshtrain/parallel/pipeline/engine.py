@@ -139,14 +139,18 @@ class PipelineEngine:
     # -- the step --------------------------------------------------------------------------------
 
     def run(self, actions: list[Action], inputs: list[Any], targets: list[torch.Tensor],
-            forward_kwargs: dict[str, Any] | None = None, signature: Any = None) -> tuple[torch.Tensor, StepStats]:
+            forward_kwargs: dict[str, Any] | None = None, signature: Any = None,
+            loss_scale: float = 1.0) -> tuple[torch.Tensor, StepStats]:
         """Execute ``actions``; ``inputs[mb]``/``targets[mb]`` are used by the first/last stage.
         Returns the sum of the micro-batch losses computed here (zero off the last stage).
 
         ``signature``: a value equal on every rank that fixes every message's dtype and shape (the
         trainer passes the batch shape). Messages then carry their (dtype, shape) header only in
         the first step with that signature; later steps allocate from it without a host read.
-        None: every message carries its header."""
+        None: every message carries its header.
+
+        ``loss_scale``: backward runs on each micro-batch's loss times this (fp16 loss scaling;
+        the returned loss is unscaled), so every gradient, sent between stages too, is scaled."""
         kw = forward_kwargs or {}
         self._signature = signature
         last = self.n_stages - 1
@@ -182,6 +186,8 @@ class PipelineEngine:
                 remaining_b[a.stage] -= 1
                 # data-parallel modules reduce gradients only in the stage's last backward of the step
                 sync = remaining_b[a.stage] == 0 or not hasattr(module, "no_sync")
+                if a.stage == last and loss_scale != 1.0:
+                    out = out * loss_scale
                 with contextlib.nullcontext() if sync else module.no_sync():
                     torch.autograd.backward(out, grad)
                 if a.stage != 0:
