@@ -63,11 +63,11 @@ def test_a_training_hang_leaves_flight_records_that_name_the_rank(tmp_path, monk
 
     real = ParallelModel.forward_backward
 
-    def stalling(self, tokens, targets):
+    def stalling(self, tokens, targets, **kwargs):
         self._calls = getattr(self, "_calls", 0) + 1
         if self._calls == 2 and comm.get_rank() == 1:
             raise SystemExit  # rank 1 leaves (as if killed) without a word to the others
-        return real(self, tokens, targets)
+        return real(self, tokens, targets, **kwargs)
 
     monkeypatch.setattr(ParallelModel, "forward_backward", stalling)
     config = load_config(None, ["--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512",
