@@ -5,13 +5,16 @@ multiprocessing's ``spawn`` starts each process as a new interpreter, which impo
 1.3 s of CPU each, about 3 s for four ranks on 2 cores, before any rank runs. The ``forkserver``
 context instead forks each process from a server that preloaded torch (``PRELOAD``): four ranks
 start in about 30 ms once the server is up. Torch is made to be forked after its import (its
-DataLoader's workers are), and the server runs nothing but that import before it forks.
+DataLoader's workers are), and the server runs nothing but that import before it forks. It
+imports torch's compiler front end (torch._dynamo) too: meshtrain's model code marks functions
+with ``torch.compiler.disable``, which imports it, another 1.2 s of CPU in every process.
 
 A forked process inherits the *server's* environment, not the caller's as under spawn. ``start``
 therefore carries the caller's ``os.environ`` along and installs it before the target is even
 unpickled, so meshtrain's modules, which read some settings at import (``MESHTRAIN_SHM_*``,
 ``MESHTRAIN_HEARTBEAT_S``), and the caller's own are imported under the caller's environment.
-Only torch was imported before that, under the environment the server started with.
+Only torch (with torch._dynamo) was imported before that, under the environment the server
+started with.
 
 This module imports nothing of meshtrain or torch: unpickling its ``_entry`` in a new process
 must not import a module before the environment is in place.
@@ -27,9 +30,10 @@ import tempfile
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Sequence
 
-PRELOAD = ["torch", "meshtrain.worker_processes"]
-"""What the server imports before it forks: torch, and this module, so that ``SERVER_ENV`` holds
-the environment the server started with (in the server and every process forked from it)."""
+PRELOAD = ["torch", "torch._dynamo", "meshtrain.worker_processes"]
+"""What the server imports before it forks: torch and its compiler front end, and this module, so
+that ``SERVER_ENV`` holds the environment the server started with (in the server and every
+process forked from it)."""
 SERVER_ENV: dict[str, str] = dict(os.environ)
 """This process's environment when this module was imported: in a forked process, the server's."""
 

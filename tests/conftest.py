@@ -25,6 +25,13 @@ from meshtrain import worker_processes  # noqa: E402
 
 worker_processes.ensure_server()
 
+# One intra-op thread: most tests run ranks as threads of this process, which then share the
+# machine's cores (CI has 2); each rank with an intra-op pool of its own oversubscribes them and
+# tests/parallel ran 1.2x slower so. The benches and the launcher set their own counts.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 # CI runs derandomized so a red build is reproducible; locally HYPOTHESIS_PROFILE=dev explores more.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
