@@ -131,6 +131,53 @@ def test_pp2_and_zero3_match_plain_pytorch_on_the_device(device, monkeypatch):
             assert rel <= TOLERANCE["fp32"], (layout, settings, got, want)
 
 
+# Every layout with ranks as threads sharing one GPU (issue 32), against plain PyTorch on the same
+# GPU. On CPU the same layouts have their parity tests (test_parity.py); these run in gpu-check.
+GPU_LAYOUTS = {
+    "dp2xtp2-sp": ({"dp": 2, "tp": 2}, {"sequence_parallel": True}),
+    "pp2xcp2-1f1b": ({"pp": 2, "cp": 2}, {"microbatches": 2, "schedule": "1f1b"}),
+    "pp2xcp2-interleaved": ({"pp": 2, "cp": 2}, {"microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}),
+    "zero1-dp2": ({"dp": 2}, {"zero_stage": 1}),
+    "zero2-dp2": ({"dp": 2}, {"zero_stage": 2}),
+    "zero3-dp2": ({"dp": 2}, {"zero_stage": 3}),
+    "hsdp-zero3": ({"dp": 4, "dp_replicate": 2}, {"zero_stage": 3}),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(GPU_LAYOUTS))
+def test_every_layout_matches_plain_pytorch_on_one_gpu(name, precision):
+    layout, settings = GPU_LAYOUTS[name]
+    want = _plain("cuda", precision)
+    world = math.prod(v for k, v in layout.items() if k != "dp_replicate")  # dp counts the replicas
+    for got in comm.run_local(world, _meshtrain, layout, "cuda", precision, timeout=240, **settings):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+        assert rel <= TOLERANCE[precision], (name, precision, got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_nccl_under_torchrun_at_world_one(tmp_path):
+    """One rank under torchrun on NCCL (the CUDA-stream and NCCL-native paths of ``auto``): a short
+    run of the trainer ends with its metrics, and the loss falls."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "-m", "meshtrain.train", f"--out={out}", "--model.preset=test", "--train.steps=6",
+                           "--train.global_batch=4", "--train.seq_len=64", "--data.max_bytes=300000",
+                           "--data.vocab_size=512", "--comm.backend=nccl", "--comm.transport=torch",
+                           "--train.device=cuda", "--checkpoint.enabled=false"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"], rows
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_round_trip_on_the_device(tmp_path, device, monkeypatch):
     from meshtrain.mesh import Mesh
