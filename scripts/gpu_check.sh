@@ -119,6 +119,41 @@ peak = max(json.loads(line)["peak_mem_bytes"] for line in open(f"{run}/metrics.j
 print(f"- measured peak {peak / 2**30:.1f} GiB = {peak / est:.2f} x the estimate")
 PYEOF
 
+echo "## 4. fp16 with dynamic loss scaling against bf16: 1b preset, 200 steps, seq 1024" >> "$OUT.tmp/report.md"
+"$PY" - "$OUT.tmp" >> "$OUT.tmp/report.md" 2>&1 <<'PYEOF' || status=1
+import json, subprocess, sys
+out, final = sys.argv[1], {}
+for precision in ("bf16", "fp16"):
+    run = f"{out}/train-1b-{precision}"
+    cmd = [sys.executable, "-m", "meshtrain.cli", "train", "--model.preset=1b", f"--train.precision={precision}",
+           "--train.device=cuda", "--train.seq_len=1024", "--train.global_batch=4", "--train.steps=200",
+           "--train.warmup_steps=20", "--comm.transport=local", "--checkpoint.enabled=false", "--no-progress",
+           f"--out={run}"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        print(f"- {precision} FAILED (exit {res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
+        sys.exit(1)
+    rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    last = sum(r["loss"] for r in rows[-10:]) / 10  # the mean of the last 10 steps: one step is noisy
+    final[precision] = last
+    extra = f", skipped steps {rows[-1]['skipped_steps']}, final scale {rows[-1]['loss_scale']:g}" if precision == "fp16" else ""
+    print(f"- {precision}: loss (mean of the last 10 steps) {last:.4f}, {rows[-1]['tokens_per_s']:.0f} tokens/s{extra}")
+gap = abs(final["fp16"] - final["bf16"]) / final["bf16"]
+print(f"- fp16 vs bf16: {100 * gap:.2f} % ({'within' if gap <= 0.02 else 'OUTSIDE'} the 2 % target)")
+sys.exit(0 if gap <= 0.02 else 1)
+PYEOF
+
+echo "## 5. The planner beside the measurements (meshtrain plan, this GPU's cluster preset)" >> "$OUT.tmp/report.md"
+case "$INFO" in *H200*) CLUSTER=h200 ;; *A100*) CLUSTER=a100 ;; *) CLUSTER=h100 ;; esac
+{
+    echo '```'
+    "$PY" -m meshtrain.cli plan --model 1b --cluster "$CLUSTER" --gpus 1 --layout dp=1 --global-batch 4 --seq 2048 \
+        --precision bf16 --compile 2>&1 | tail -6
+    "$PY" -m meshtrain.cli plan --model 8b --cluster "$CLUSTER" --gpus 1 --layout dp=1 --global-batch 1 --seq 2048 \
+        --precision bf16 --ac full 2>&1 | tail -6
+    echo '```'
+} >> "$OUT.tmp/report.md"
+
 rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
 echo "gpu-check: wrote $OUT/report.md with $PY (exit $status)"
 exit $status
