@@ -20,6 +20,8 @@ AC_MODES = ("none", "full", "selective")
 """The values of ``ParallelConfig.activation_checkpointing``."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 """The values of ``ParallelConfig.precision``."""
+OFFLOAD_MODES = ("none", "optimizer", "params")
+"""The values of ``ParallelConfig.offload``."""
 
 
 @dataclass
@@ -49,6 +51,10 @@ class ParallelConfig:
     compile: bool = False
     """Compile each transformer block with ``torch.compile`` (after TP, CP and activation
     checkpointing are applied, before data parallel / ZeRO wrap the model)."""
+    offload: str = "none"
+    """ZeRO CPU offload: "none"; "optimizer" (the fp32 master shards and the optimizer state live in
+    host memory and the optimizer steps on the CPU; needs zero_stage >= 1); "params" (also ZeRO-3's
+    parameter shards, copied to the device for each all-gather; needs zero_stage = 3)."""
 
     def __post_init__(self) -> None:
         check_parallel_values(vars(self))
@@ -68,11 +74,28 @@ def check_parallel_values(values: Mapping[str, Any], key: Callable[[str], str] =
                           f"of {', '.join(AC_MODES)}")
     if values["zero_stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"{key('zero_stage')} = {values['zero_stage']!r}: use 0 (plain data parallel), 1, 2 or 3")
+    check_offload(values["offload"], values["zero_stage"], key)
     if values["precision"] not in PRECISIONS:
         raise ConfigError(f"{key('precision')} = {values['precision']!r} is not one of {', '.join(PRECISIONS)}")
     for name in ("checkpoint_every", "microbatches", "virtual_stages"):
         if not isinstance(values[name], int) or values[name] < 1:
             raise ConfigError(f"{key(name)} = {values[name]!r} must be a positive integer")
+
+
+def check_offload(offload: object, zero_stage: int, key: Callable[[str], str] = _same) -> None:
+    """Raise ``ConfigError`` unless ``offload`` is one of ``OFFLOAD_MODES`` and the ZeRO stage has
+    what it moves: ZeRO's fp32 master shards (any offload: stage >= 1) and its parameter shards
+    ("params": stage 3). ``key`` names the fields as in ``check_parallel_values``."""
+    if offload not in OFFLOAD_MODES:
+        raise ConfigError(f"{key('offload')} = {offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
+    if offload != "none" and zero_stage == 0:
+        raise ConfigError(f"{key('offload')} = {offload!r} needs ZeRO: it moves ZeRO's fp32 master shards and "
+                          f"optimizer state to the host; set {key('zero_stage')} = 1, 2 or 3, or "
+                          f"{key('offload')} = 'none'")
+    if offload == "params" and zero_stage != 3:
+        raise ConfigError(f"{key('offload')} = 'params' needs {key('zero_stage')} = 3 (only ZeRO-3 shards the "
+                          f"parameters, and those shards are what it keeps on the host); set "
+                          f"{key('zero_stage')} = 3, or {key('offload')} = 'optimizer' with stage {zero_stage}")
 
 
 def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
@@ -104,5 +127,5 @@ def check_expert_parallel(cfg: LlamaConfig, ep: int, tp: int = 1, seq_len: int |
                           f"sequence length that is a multiple of cp x tp")
 
 
-__all__ = ["AC_MODES", "PRECISIONS", "ParallelConfig", "check_expert_parallel",
+__all__ = ["AC_MODES", "OFFLOAD_MODES", "PRECISIONS", "ParallelConfig", "check_expert_parallel", "check_offload",
            "check_parallel_values", "check_tensor_parallel"]

@@ -5,7 +5,8 @@ elements [r*S, (r+1)*S) of the flat buffer, padded with zeros to a multiple of t
 keeps an fp32 ``master`` copy of its shard for the optimizer. The full buffer (``full``, in the
 compute dtype) holds the parameters as views. For ZeRO-3 it exists only between ``gather`` and
 ``free``: freeing resizes its storage to zero, so the views and the tensors that autograd saved
-stay valid and see the data again after the next gather.
+stay valid and see the data again after the next gather. With CPU offload (``offload.py``) the
+master lives in host memory and ``grad``, the shard gradient, stays on the compute device.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import Group, Work
+from .offload import UnitOffload
 
 
 class FlatUnit:
@@ -24,7 +26,8 @@ class FlatUnit:
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], group: Group,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, *,
-                 replicas: Group | None = None, scale: float = 1.0, view: str | None = None) -> None:
+                 replicas: Group | None = None, scale: float = 1.0, view: str | None = None,
+                 offload: str = "none") -> None:
         self.index = index
         self.group = group
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
@@ -48,19 +51,37 @@ class FlatUnit:
         rank = max(group.rank, 0)
         self.lo = rank * self.shard_size  # this rank's shard: [lo, lo + shard_size) of the flat buffer
         src = self.params[0] if self.params else torch.empty(0)
+        self.device = src.device
+        """The compute device: the full parameters and the gradients live there."""
         self.param_dtype = param_dtype or src.dtype
         self.reduce_dtype = reduce_dtype or torch.float32
         flat = torch.zeros(self.padded, dtype=torch.float32, device=src.device)
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
                 flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        self.master = nn.Parameter(flat[self.lo : self.lo + self.shard_size].clone())
+        shard = flat[self.lo : self.lo + self.shard_size].clone()
+        self.offload = UnitOffload(offload, self.device, self.param_dtype) if offload != "none" else None
+        """CPU offload's host side of this unit (None: everything on the compute device)."""
+        self.master = nn.Parameter(self.offload.host_master(shard) if self.offload else shard)
         self.full = flat.to(self.param_dtype) if self.param_dtype != torch.float32 else flat
         self._bind()
         self.grad_full: torch.Tensor | None = None
         self.ready: set[int] = set()
         self.gathered = True
         self._pending: Work | None = None
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """This rank's fp32 shard gradient, on the compute device: what the reduce-scatters add
+        into and the norm, fp16 unscaling and clipping act on (``master.grad`` unless offloaded)."""
+        return self.offload.grad if self.offload is not None else self.master.grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        if self.offload is not None:
+            self.offload.grad = value
+        else:
+            self.master.grad = value
 
     def _bind(self) -> None:
         """Point every parameter at its slice of ``full``."""
@@ -82,28 +103,34 @@ class FlatUnit:
         if self.gathered or self._pending is not None:
             return self._pending
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        shard = self.master.detach().to(self.param_dtype)
+        shard = self.offload.compute_shard(self.master) if self.offload else self.master.detach().to(self.param_dtype)
         work = comm.all_gather_into_tensor(self.full, shard, group=self.group, async_op=async_op)
         if async_op:
             self._pending = work
             return work
-        self.gathered = True
+        self._gathered()
         return None
+
+    def _gathered(self) -> None:
+        self.gathered = True
+        if self.offload is not None:
+            self.offload.gathered()
 
     def wait_gathered(self) -> None:
         """Block until the parameters are present (gathering now if no prefetch is in flight)."""
         if self._pending is not None:
             work, self._pending = self._pending, None
             work.wait()
-            self.gathered = True
+            self._gathered()
         elif not self.gathered:
             self.gather()
 
-    def refresh(self) -> None:
-        """After an optimizer step: bring the (still allocated) full parameters up to date."""
+    def refresh(self, async_op: bool = False) -> Work | None:
+        """After an optimizer step: bring the (still allocated) full parameters up to date
+        (``async_op``: start it; ``wait_gathered`` ends it)."""
         self.gathered = False
         self._pending = None
-        self.gather()
+        return self.gather(async_op)
 
     def shard_of(self, full: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """This rank's shard of the flat vector made of ``full[name]`` for every parameter."""
@@ -129,7 +156,7 @@ class FlatUnit:
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
         """Accumulate parameter ``i``'s gradient into the unit's full gradient buffer."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=grad.device)
+            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         off = self.offsets[i]
         self.grad_full[off : off + grad.numel()].add_(grad.reshape(-1))
         self.ready.add(i)
@@ -140,11 +167,11 @@ class FlatUnit:
 
     def reduce_scatter(self, keep_full: bool) -> Work:
         """Start averaging the gradient over the group into this rank's shard; when it is done,
-        it is added to ``master.grad`` and the full gradient buffer is zeroed (``keep_full``,
+        it is added to ``grad`` and the full gradient buffer is zeroed (``keep_full``,
         ZeRO-1) or dropped (ZeRO-2/3). Issued from the calling thread, so every rank orders its
         collectives identically."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.master.device)
+            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         full = self.grad_full
         p, size = self.group.size, self.shard_size
         if self.reduce_dtype in (torch.float16, torch.bfloat16) and p > 1:
@@ -157,7 +184,7 @@ class FlatUnit:
             def result() -> torch.Tensor:
                 return recv.view(p, size).float().sum(0).div_(p)
         else:
-            shard = torch.empty(size, dtype=self.reduce_dtype, device=self.master.device)
+            shard = torch.empty(size, dtype=self.reduce_dtype, device=self.device)
             work = comm.reduce_scatter_tensor(shard, full, op="avg", group=self.group, async_op=True)
 
             def result() -> torch.Tensor:
@@ -169,10 +196,10 @@ class FlatUnit:
             g = result()
             if self.scale != 1.0:
                 g.mul_(self.scale)
-            if self.master.grad is None:
-                self.master.grad = g
+            if self.grad is None:
+                self.grad = g
             else:
-                self.master.grad.add_(g)
+                self.grad.add_(g)
             if keep_full:
                 full.zero_()
 

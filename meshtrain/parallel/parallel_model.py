@@ -199,7 +199,7 @@ class ParallelOptimizer:
         for zo in self.optimizers:  # this rank's slice [lo, lo + shard) of each unit's flat gradient
             zo.model.reduce_replicas()
             for u in zo.model.units:
-                g = u.master.grad
+                g = u.grad  # on the compute device, offloaded or not
                 if g is None:
                     continue
                 for p, off in zip(u.params, u.offsets):

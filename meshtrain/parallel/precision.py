@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -94,9 +94,10 @@ class DynamicLossScaler:
             self.good_steps = 0
         return True
 
-    def unscale_and_check(self, params: Iterable[torch.Tensor], group: Group | None = None) -> bool:
-        """Unscale the parameters' gradients, agree over ``group`` and update (one host read);
-        return False (skip the step) if any rank overflowed."""
+    def unscale_and_check(self, params: Iterable[Any], group: Group | None = None) -> bool:
+        """Unscale the gradients of ``params`` (parameters, or anything with a ``.grad``: ZeRO's
+        ``FlatUnit``s), agree over ``group`` and update (one host read); return False (skip the
+        step) if any rank overflowed."""
         found = self.agree(self.unscale_([p.grad for p in params if p.grad is not None]), group)
         return self.update(bool(found.item()))
 

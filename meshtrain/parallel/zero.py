@@ -13,6 +13,8 @@ optimizer on this rank's fp32 shards only:
   backward, prefetching the next unit while the current one computes, and freed afterwards.
 
 Gradient accumulation: call backward several times, then ``step``; the shard gradients add up.
+CPU offload (``offload="optimizer"`` or ``"params"``): the masters and the optimizer live on the host
+(``offload.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from torch import nn
 
 from .. import comm
 from ..comm import Group, Work
+from ..config.parallel import check_offload
 from .flat_unit import FlatUnit
 from .grad_groups import ReduceGroup, by_reduce_group
+from .offload import host_optimizer, step_on_host
 from .precision import MixedPrecision
 from .zero_state import (check_shapes, load_optimizer_shards, model_shard_state, optimizer_shard_state,
                          shard_from_pieces)
@@ -33,17 +37,20 @@ from .zero_state import (check_shapes, load_optimizer_shards, model_shard_state,
 
 class ZeroModel(nn.Module):
     """A module whose parameters are sharded over ``group`` in ZeRO ``stage`` 1, 2 or 3; with a
-    ``replicate_group`` (HSDP), each of its ranks holds a replica of this rank's shards."""
+    ``replicate_group`` (HSDP), each of its ranks holds a replica of this rank's shards; with
+    ``offload`` ("optimizer", or "params" for stage 3) the fp32 masters live in host memory."""
 
     def __init__(self, module: nn.Module, stage: int, group: Group | None = None, *,
                  units: Iterable[nn.Module] | None = None, mixed_precision: MixedPrecision | None = None,
                  prefetch: bool = True, replicate_group: Group | None = None, view: str | None = None,
-                 reduce_groups: Mapping[str, ReduceGroup] | None = None) -> None:
+                 reduce_groups: Mapping[str, ReduceGroup] | None = None, offload: str = "none") -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        check_offload(offload, stage)
         self.module = module
         self.stage = stage
+        self.offload = offload
         self.group = group or comm.current().world
         self.mp = mixed_precision or MixedPrecision()
         self.prefetch = prefetch
@@ -93,7 +100,7 @@ class ZeroModel(nn.Module):
                 rg = rg_of[id(members[0][1])]
                 dtype = torch.float32 if keep_fp32 else self.mp.param_dtype
                 made.append(FlatUnit(len(self.units), members, rg.group, dtype, self.mp.reduce_dtype,
-                                     replicas=rg.replicas, scale=rg.scale, view=rg.view))
+                                     replicas=rg.replicas, scale=rg.scale, view=rg.view, offload=offload))
                 self.units.append(made[-1])
             if made:
                 if slot:
@@ -230,19 +237,20 @@ class ZeroModel(nn.Module):
             return
         self._replicas_pending = False
         for u in self.units:
-            if u.master.grad is not None and u.replicas is not None:
-                comm.all_reduce(u.master.grad, op="avg", group=u.replicas)
+            if u.grad is not None and u.replicas is not None:
+                comm.all_reduce(u.grad, op="avg", group=u.replicas)
 
     def buffer_dtypes(self) -> dict[str, torch.dtype]:
         """Each buffer's dtype before mixed precision converted it (what a checkpoint stores)."""
         return dict(self._buffer_dtypes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state (parameters in fp32 from the masters, plus buffers) on every rank."""
+        """The full model state (parameters in fp32 from the masters, plus buffers) on every rank,
+        gathered on the compute device (an offloaded master is copied there first)."""
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
-            flat = torch.empty(u.padded, dtype=torch.float32, device=u.master.device)
-            comm.all_gather_into_tensor(flat, u.master.detach(), group=u.group)
+            flat = torch.empty(u.padded, dtype=torch.float32, device=u.device)
+            comm.all_gather_into_tensor(flat, u.master.detach().to(u.device), group=u.group)
             for name, off, shape in zip(u.names, u.offsets, u.shapes):
                 out[name] = flat[off : off + shape.numel()].view(shape).clone()
         for name, b in self.module.named_buffers():
@@ -292,7 +300,10 @@ class ZeroOptimizer:
 
     def __init__(self, model: ZeroModel, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
         self.model = model
-        self.optimizer = optimizer_cls([u.master for u in model.units], **kwargs)
+        masters = [u.master for u in model.units]
+        # offloaded masters are host tensors: the optimizer runs on the CPU (fused where torch can)
+        self.optimizer = host_optimizer(optimizer_cls, masters, kwargs) if model.offload != "none" \
+            else optimizer_cls(masters, **kwargs)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -302,7 +313,7 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard gradients."""
         for u in self.model.units:
-            u.master.grad = None
+            u.grad = None
 
     def grad_norm(self) -> float:
         """The L2 norm of the full gradient, from every rank's shards (padding is zero). For a model
@@ -314,8 +325,8 @@ class ZeroOptimizer:
         self.model.reduce_replicas()
         sq = torch.zeros(1, dtype=torch.float64)
         for u in self.model.units:
-            if u.master.grad is not None:
-                sq += u.master.grad.double().pow(2).sum()
+            if u.grad is not None:
+                sq += u.grad.double().pow(2).sum()
         comm.all_reduce(sq, op="sum", group=self.model.group)
         return float(sq.sqrt())
 
@@ -325,18 +336,21 @@ class ZeroOptimizer:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for u in self.model.units:
-                if u.master.grad is not None:
-                    u.master.grad.mul_(coef)
+                if u.grad is not None:
+                    u.grad.mul_(coef)
         return norm
 
     def step(self, scaler: Any = None) -> bool:
-        """One optimizer step on the shards, then refresh the full parameters (stages 1, 2).
-        Returns False if ``scaler`` found inf/NaN on any rank and skipped it."""
+        """One optimizer step on the shards, then refresh the full parameters (stages 1, 2); offloaded,
+        pipelined unit by unit on the CPU (``offload.step_on_host``). Returns False if ``scaler``
+        found inf/NaN on any rank and skipped it."""
         self.model.reduce_replicas()
-        if scaler is not None and not scaler.unscale_and_check([u.master for u in self.model.units],
-                                                              self.model.group):
+        if scaler is not None and not scaler.unscale_and_check(self.model.units, self.model.group):
             self.zero_grad()
             return False
+        if self.model.offload != "none":
+            step_on_host(self.optimizer, self.model.units, refresh=self.model.stage in (1, 2))
+            return True
         self.optimizer.step()
         if self.model.stage in (1, 2):
             for u in self.model.units:
@@ -349,9 +363,9 @@ class ZeroOptimizer:
         for u in self.model.units:
             st = self.optimizer.state.get(u.master, {})
             for key, val in sorted(st.items()):
-                if torch.is_tensor(val) and val.shape == u.master.shape:
-                    flat = torch.empty(u.padded, dtype=val.dtype)
-                    comm.all_gather_into_tensor(flat, val.contiguous(), group=u.group)
+                if torch.is_tensor(val) and val.shape == u.master.shape:  # gathered on the compute device
+                    flat = torch.empty(u.padded, dtype=val.dtype, device=u.device)
+                    comm.all_gather_into_tensor(flat, val.contiguous().to(u.device), group=u.group)
                     for name, off, shape in zip(u.names, u.offsets, u.shapes):
                         per_name.setdefault(name, {})[key] = flat[off : off + shape.numel()].view(shape).clone()
                 else:  # scalars such as Adam's step count: equal on every shard

@@ -67,7 +67,8 @@ def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, 
     cluster = cluster if cluster is not None else cluster_for(t.device)
     arch = from_llama_config(config.model.preset, model_config(config, vocab_size))
     # fp16 is priced as bf16: the same 2-byte activations and tensor-core peak (the planner has no fp16)
-    fixed = {"precision": "bf16" if t.precision == "fp16" else t.precision, "compile": t.compile}
+    fixed = {"precision": "bf16" if t.precision == "fp16" else t.precision, "compile": t.compile,
+             "offload": getattr(p, "offload", "none")}  # the run's choice: priced, and ZeRO stages it needs
     if not hasattr(p, "ep"):  # a trainer without expert parallelism: price ep = 1 only
         fixed["ep"] = 1
     try:

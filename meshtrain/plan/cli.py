@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .architectures import resolve_model
 from .clusters import resolve_cluster
-from .layout import AC_MODES, PRECISIONS, Layout, parse_layout
+from .layout import AC_MODES, OFFLOAD_MODES, PRECISIONS, Layout, parse_layout
 from .report import chart, table, to_json
 from .search import search
 from .step import predict
@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ac", choices=AC_MODES, default=None, help="activation checkpointing (search: least that fits)")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (search: all)")
     parser.add_argument("--schedule", choices=("afab", "1f1b", "interleaved"), default=None, help="pipeline schedule")
+    parser.add_argument("--offload", choices=OFFLOAD_MODES, default=None, help="ZeRO CPU offload (parallel.offload): "
+                        "optimizer = fp32 masters and AdamW state on the host, stepped by its CPUs; params = also "
+                        "ZeRO-3's parameter shards (search: only the ZeRO stages it allows)")
     parser.add_argument("--compile", action="store_true", help="element-wise ops fused (torch.compile)")
     parser.add_argument("--top", type=int, default=10, help="layouts to show with --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> str:
         raise ConfigError(f"--gpus {args.gpus}: use 1 or more")
     arch, cluster = resolve_model(args.model), resolve_cluster(args.cluster)
     fixed = {k: v for k, v in (("precision", args.precision), ("ac", args.ac), ("zero_stage", args.zero_stage),
-                               ("schedule", args.schedule)) if v is not None}
+                               ("schedule", args.schedule), ("offload", args.offload)) if v is not None}
     fixed["compile"] = args.compile
     if args.search:
         preds = search(arch, cluster, args.gpus, args.global_batch, args.seq, fixed, top=args.top)

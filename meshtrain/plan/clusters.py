@@ -82,7 +82,20 @@ class Cluster:
     base_memory_bytes: float = 0.0
     """Bytes every rank holds before training starts: on a host the interpreter, torch and meshtrain
     (counted in the resident set); 0 on GPUs, whose allocator counts only tensors."""
+    pcie_bandwidth: float = 0.0
+    """Host <-> GPU bytes/s per GPU and direction, pinned memory (ZeRO CPU offload's copies); 0 for a
+    host, whose "device" is its own memory."""
+    host_adam_rate: float = 0.0
+    """Parameters/s a node's CPUs update with a fused AdamW step (ZeRO CPU offload), shared by the
+    node's ranks: a memory-bound pass of 28 bytes per parameter (``offload.py``)."""
+    host_memory_bytes: float = 0.0
+    """A node's host memory, shared by its ranks: where offloaded masters and AdamW state live (0: unknown,
+    not checked)."""
     notes: str = ""
+
+    def ranks_per_node(self, world: int) -> int:
+        """Ranks of a ``world``-rank layout that share one node's host (CPUs, memory, PCIe root)."""
+        return max(1, min(world, self.gpus_per_node))
 
     def per_rank_peak(self, world: int, precision: str) -> float:
         """Matmul peak one rank gets (FLOP/s) at ``precision``; on a host the ranks split the cores
@@ -107,24 +120,47 @@ def _gpu(name: str, **kw) -> Cluster:
     return Cluster(name=name, **kw)
 
 
+HOST_STREAM_EFFICIENCY = 0.7
+"""Fraction of a host's theoretical DRAM bandwidth a fused CPU AdamW step moves (a STREAM-like
+share: the step is memory-bound; on this machine's core it moved 42 GB/s, more than an eager
+``torch.add``'s 35 GB/s)."""
+
+
+def host_adam_rate(dram_bandwidth: float) -> float:
+    """Parameters/s a node's fused CPU AdamW updates: ``HOST_STREAM_EFFICIENCY`` of its DRAM
+    bandwidth over the 28 bytes each parameter moves (read weight, gradient and two moments;
+    write weight and moments, fp32)."""
+    return HOST_STREAM_EFFICIENCY * dram_bandwidth / 28
+
+
+HOST_DDR5 = {"pcie_bandwidth": 50e9, "host_adam_rate": host_adam_rate(614e9), "host_memory_bytes": 2e12}
+"""The host side of the Hopper presets: a DGX H100/H200 (see the h100 preset's comment)."""
+
+
 PRESETS: dict[str, Cluster] = {
     # H100 SXM5 80 GB, 700 W: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3;
     # NVLink 4 (450 GB/s per direction; nccl-tests all-reduce busbw ~360 GB/s on 8 GPUs) and one
     # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~45 GB/s achieved).
+    # Host side (ZeRO CPU offload), a DGX H100: PCIe Gen5 x16 per GPU, 63 GB/s per direction in
+    # theory (32 GT/s x 16 lanes x 128/130), ~50 GB/s for pinned copies (the ~80% PCIe Gen4 x16
+    # reaches, ~25 of 31.5 GB/s); two Xeon 8480C with 16 channels of DDR5-4800 (614 GB/s), 2 TB.
     "h100": _gpu("h100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=3.35e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
                  matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6, gemm_k0=720,
-                 notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
+                 **HOST_DDR5, notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
     "h200": _gpu("h200", gpus_per_node=8, memory_bytes=141e9, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=4.8e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
                  matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6, gemm_k0=720,
-                 notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
+                 **HOST_DDR5, notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
     # A100 SXM4 80 GB: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s; NVLink 3 (~230 GB/s busbw) and one
-    # 200 Gb/s HDR NIC per GPU (~22.5 GB/s achieved). No fp8.
+    # 200 Gb/s HDR NIC per GPU (~22.5 GB/s achieved). No fp8. Host (DGX A100 640GB): PCIe Gen4 x16
+    # (31.5 GB/s per direction, ~25 GB/s pinned), two EPYC 7742 with 16 channels of DDR4-3200
+    # (410 GB/s), 2 TB.
     "a100": _gpu("a100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
                  hbm_bandwidth=2.0e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
                  matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.0,
+                 pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9), host_memory_bytes=2e12,
                  notes="A100 SXM4 80GB, NVLink 3 + 200G InfiniBand per GPU"),
     # The hosts of torchtitan's published runs (Meta's Grand Teton): H100 with 96 GB of HBM2e at
     # 2.4 TB/s, run at the default 500 W power limit (lower sustained clocks than the 700 W h100),
@@ -132,7 +168,8 @@ PRESETS: dict[str, Cluster] = {
     "h100-gt500": _gpu("h100-gt500", gpus_per_node=8, memory_bytes=96 * GiB, peak_flops=989e12,
                        fp32_flops=67e12, hbm_bandwidth=2.4e12, intra=Level(10e-6, 360e9),
                        inter=Level(20e-6, 45e9), matmul_efficiency=0.55, attention_efficiency=0.4,
-                       fp8_speedup=1.6, gemm_k0=720, notes="Grand Teton H100 96GB HBM2e at 500 W"),
+                       fp8_speedup=1.6, gemm_k0=720, **HOST_DDR5,  # (its host taken as a DGX H100's)
+                       notes="Grand Teton H100 96GB HBM2e at 500 W"),
 }
 
 

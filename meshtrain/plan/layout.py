@@ -1,6 +1,6 @@
 """A layout: the (dp, pp, cp, tp) degrees, expert parallelism (ep) carved out of dp_shard x cp, plus
-the settings that change its cost (micro-batches, pipeline schedule, ZeRO stage, activation
-checkpointing, precision), parsed and validated.
+the settings that change its cost (micro-batches, pipeline schedule, ZeRO stage and CPU offload,
+activation checkpointing, precision), parsed and validated.
 
 Validation raises ConfigError with the nearest valid choice, so the CLI can print it and exit 2.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..config.parallel import OFFLOAD_MODES, check_offload
 from ..errors import ConfigError
 from ..parallel.pipeline.schedule import SCHEDULES
 from .architectures import Arch
@@ -58,6 +59,9 @@ class Layout:
     forward, bucket by bucket, as Megatron's distributed optimizer does with
     ``--overlap-param-gather``; meshtrain gathers the fp32 weights after the step. Only meaningful
     with zero 1 or 2; for pricing a peer's published run (meshtrain's own runs cannot set it)."""
+    offload: str = "none"
+    """ZeRO CPU offload (``parallel.offload``): "optimizer" keeps the fp32 masters and AdamW state in
+    host memory and steps on the CPUs; "params" (ZeRO-3) also ZeRO-3's parameter shards."""
 
     @property
     def dp_shard(self) -> int:
@@ -117,7 +121,8 @@ class Layout:
             parts.append(f"rep={self.dp_replicate}")
         if self.overlap_param_gather and self.zero_stage in (1, 2):
             parts.append("opg=1")
-        return ",".join(parts + [f"zero={self.zero_stage}", f"ac={self.ac}"])
+        parts += [f"zero={self.zero_stage}"] + ([f"offload={self.offload}"] if self.offload != "none" else [])
+        return ",".join(parts + [f"ac={self.ac}"])
 
 
 _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "microbatches": "microbatches",
@@ -125,7 +130,7 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel", "rep": "dp_replicate",
          "dp_replicate": "dp_replicate", "opg": "overlap_param_gather",
          "overlap_param_gather": "overlap_param_gather", "ep": "ep", "epo": "ep_overlap", "ep_overlap": "ep_overlap",
-         "order": "rank_order", "rank_order": "rank_order"}
+         "order": "rank_order", "rank_order": "rank_order", "offload": "offload"}
 
 
 def parse_layout(text: str, **defaults) -> Layout:
@@ -141,7 +146,7 @@ def parse_layout(text: str, **defaults) -> Layout:
             raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write key=value with keys "
                               f"{', '.join(sorted(set(_KEYS)))}, e.g. dp=32,tp=8")
         field = _KEYS[key]
-        if field in ("ac", "schedule", "precision", "rank_order"):
+        if field in ("ac", "schedule", "precision", "rank_order", "offload"):
             values[field] = raw
         elif field in ("sequence_parallel", "overlap_param_gather", "ep_overlap"):
             flag = raw.lower()
@@ -221,6 +226,8 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         raise ConfigError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage={layout.zero_stage}: use 0, 1, 2 or 3")
+    # meshtrain's own rule (parallel.offload), in the layout's words
+    check_offload(layout.offload, layout.zero_stage, key={"offload": "offload", "zero_stage": "zero"}.__getitem__)
     if layout.schedule not in SCHEDULES:
         raise ConfigError(f"schedule={layout.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if not tp_splits(arch, layout.tp):  # meshtrain's check_tensor_parallel: heads, kv heads, MLP split evenly

@@ -46,10 +46,13 @@ class MemoryBreakdown:
     buffers: float
     runtime: float = 0.0
     """What a training process holds besides the model (a host's interpreter, torch, data; 0 on GPUs)."""
+    host: float = 0.0
+    """Host memory ZeRO CPU offload holds for the rank (masters, AdamW state, gradient staging);
+    not part of ``total``, the device's."""
 
     @property
     def total(self) -> float:
-        """Sum of the parts."""
+        """Sum of the device's parts (``host`` is not one)."""
         return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.runtime
 
     def as_dict(self) -> dict[str, float]:
@@ -120,19 +123,22 @@ def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int
     return tokens * (flight * stored + transient + logits)
 
 
+def sharded(arch: Arch, layout: Layout, nbytes: float, stage: int) -> float:
+    """Bytes per rank of a state of ``nbytes`` per parameter that ZeRO shards from ``stage`` on: dense
+    parameters over dp_shard x cp (HSDP: dp_replicate copies), experts over their (dp_shard x cp /
+    ep) x tp shard group."""
+    dense, experts = stage_param_split(arch, layout)
+    if layout.zero_stage < stage:
+        return nbytes * (dense + experts)
+    return nbytes * (dense / layout.zero_shards + experts / layout.expert_shards)
+
+
 def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> MemoryBreakdown:
-    """Peak bytes of one rank under ``layout``."""
+    """Peak bytes of one rank under ``layout`` (without CPU offload: ``offload.offload_memory``)."""
     dense, experts = stage_param_split(arch, layout)
     z = layout.zero_stage
-
-    def sharded(nbytes: float, stage: int) -> float:
-        """Bytes per rank of a state ZeRO shards from ``stage`` on: dense parameters over dp_shard x
-        cp (HSDP: dp_replicate copies), experts over their (dp_shard x cp / ep) x tp shard group."""
-        if z < stage:
-            return nbytes * (dense + experts)
-        return nbytes * (dense / layout.zero_shards + experts / layout.expert_shards)
-
-    params, grads, optimizer = sharded(MASTER, 3), sharded(GRAD, 2), sharded(ADAM, 1)
+    params, grads, optimizer = (sharded(arch, layout, MASTER, 3), sharded(arch, layout, GRAD, 2),
+                                sharded(arch, layout, ADAM, 1))
     block = sum(block_param_split(arch, layout))
     if z >= 3:  # one block gathered for compute, the next prefetched, the current block's full gradient
         buffers = 2 * block * MASTER + block * GRAD

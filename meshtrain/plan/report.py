@@ -8,19 +8,24 @@ from pathlib import Path
 
 from .step import Prediction
 
-PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble", "optimizer", "sync")
+PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble", "optimizer", "pcie", "sync")
 GiB = 2**30
 
 
 def table(preds: list[Prediction]) -> str:
-    """A ranked text table: layout, step time and its parts (seconds), memory per rank, MFU."""
-    head = (f"{'#':>2}  {'layout':<52} {'step s':>8} " + " ".join(f"{p:>8}" for p in PARTS)
-            + f" {'GiB/rank':>9} {'fits':>4} {'tok/s/gpu':>10} {'MFU':>6}")
+    """A ranked text table: layout, step time and its parts (seconds), memory per rank (device, and
+    host with CPU offload), MFU."""
+    host = any(p.memory.host for p in preds)
+    w = max([52] + [len(p.layout.label()) for p in preds])
+    head = (f"{'#':>2}  {'layout':<{w}} {'step s':>8} " + " ".join(f"{p:>8}" for p in PARTS)
+            + f" {'GiB/rank':>9}" + (f" {'host GiB':>9}" if host else "")
+            + f" {'fits':>4} {'tok/s/gpu':>10} {'MFU':>6}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(preds, 1):
-        rows.append(f"{i:>2}  {p.layout.label():<52} {p.step_time:>8.3f} "
+        rows.append(f"{i:>2}  {p.layout.label():<{w}} {p.step_time:>8.3f} "
                     + " ".join(f"{p.parts[k]:>8.3f}" for k in PARTS)
-                    + f" {p.memory.total / GiB:>9.1f} {'yes' if p.fits else 'NO':>4} "
+                    + f" {p.memory.total / GiB:>9.1f}" + (f" {p.memory.host / GiB:>9.1f}" if host else "")
+                    + f" {'yes' if p.fits else 'NO':>4} "
                     f"{p.tokens_per_s_per_gpu:>10.0f} {p.mfu * 100:>5.1f}%")
     return "\n".join(rows)
 

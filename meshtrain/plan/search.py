@@ -7,7 +7,8 @@ span 1, 2 or 4 nodes are tried, and for a mixture-of-experts model every expert-
 the layout allows (a multiple of cp dividing dp_shard x cp and the number of experts); activation
 checkpointing is the least recomputation that fits (none, selective, full: each saves memory at
 more compute; torchtitan's "op" only when asked), unless the caller fixed it. Settings the caller
-fixes (precision, ac, zero stage, schedule, ep) are kept.
+fixes (precision, ac, zero stage, schedule, ep, CPU offload) are kept; with offload, only the ZeRO
+stages it runs on (1-3, or 3 for "params"), even on one rank.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                     for v in vs:
                         for m in _microbatch_choices(global_batch // dp, pp, sched == "interleaved"):
                             zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else \
-                                ([0, 1, 2, 3] if dp * cp > 1 else [0])
+                                ([0, 1, 2, 3] if dp * cp > 1 or base.offload != "none" else [0])
+                            if base.offload != "none":  # offload needs ZeRO ("params": ZeRO-3)
+                                zeros = [z for z in zeros if z >= (3 if base.offload == "params" else 1)]
                             for z in zeros:
                                 for rep in _replicas(dp, tp * pp * cp, cluster.gpus_per_node) if z else [1]:
                                     layout = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,

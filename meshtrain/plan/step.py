@@ -9,7 +9,8 @@ for a mixture of experts, the ep all-to-alls of its MoE layers (``moe.py``).
 Those per-action times go through the schedule simulator (``simulate``), whose makespan minus the
 busy time is the bubble. Data-parallel / ZeRO collectives of the stage's parameters hide behind the
 backward (ZeRO-3's gathers behind the forward too), except the last layer's share; the exposed rest
-and the optimizer's memory-bound update are added after the pipeline.
+and the optimizer's memory-bound update are added after the pipeline; with ZeRO CPU offload the
+update runs on the host's CPUs and the exposed PCIe copies are added too (``offload.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from .collectives import collective, group_of, p2p
 from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
 from .layout import Layout, validate
 from .memory import (BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, built_schedule, memory_per_rank, peer_gradient_bytes,
-                     stage_params)
+                     sharded, stage_params)
 from .moe import ep_exposed, ep_times, stage_layer_mix, stage_param_split
+from .offload import offload_memory, offload_step
 from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
 from .profile_parallel import collective_latency
 
@@ -38,8 +40,9 @@ class Prediction:
     layout: Layout
     step_time: float
     parts: dict[str, float]
-    """Seconds: compute, tp, cp, pp, ep, dp (exposed communication per dimension), bubble, optimizer, and
-    sync (this host: the step's small collectives' measured fixed cost; 0 elsewhere)."""
+    """Seconds: compute, tp, cp, pp, ep, dp (exposed communication per dimension), bubble, optimizer (on
+    the host's CPUs with offload), pcie (offload's exposed host <-> device copies) and sync (this host:
+    the step's small collectives' measured fixed cost; 0 elsewhere)."""
     memory: MemoryBreakdown
     capacity: float
     """Bytes a rank may use on the cluster."""
@@ -47,16 +50,20 @@ class Prediction:
     mfu: float
     algorithms: dict[str, str] = field(default_factory=dict)
     """Collective -> the algorithm auto would pick for it."""
+    host_capacity: float = math.inf
+    """Host bytes a rank may hold (its share of the node's memory; inf where the cluster does not say)."""
 
     @property
     def fits(self) -> bool:
-        """True if the peak memory fits in a rank's capacity."""
-        return self.memory.total <= self.capacity
+        """True if the peak memory fits in a rank's capacity, and offload's host bytes in its share."""
+        return self.memory.total <= self.capacity and self.memory.host <= self.host_capacity
 
     def as_dict(self) -> dict:
         """JSON-ready form."""
+        host = self.host_capacity if math.isfinite(self.host_capacity) else None
         return {"layout": self.layout.label(), "step_time_s": self.step_time, "parts_s": self.parts,
-                "memory_bytes": self.memory.as_dict(), "capacity_bytes": self.capacity, "fits": self.fits,
+                "memory_bytes": self.memory.as_dict(), "capacity_bytes": self.capacity, "host_capacity_bytes": host,
+                "fits": self.fits,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "algorithms": self.algorithms}
 
 
@@ -144,21 +151,31 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         if sum(sizes) <= MAX_PROFILED_ELEMENTS:
             optimizer = optimizer_seconds(sizes, threads_per_rank(layout.world), layout.world)
 
+    pcie = 0.0
+    if layout.offload != "none":  # the update on the host's CPUs, pipelined with the PCIe copies per unit
+        optimizer, pcie = offload_step(cluster, layout, opt_params, sc.layers + 1, optimizer)
+
     sync = _step_collectives(arch, cluster, layout, sc) if cluster.profile_compute and layout.world > 1 else 0.0
-    step = makespan + dp_exposed + optimizer + sync
+    step = makespan + dp_exposed + optimizer + pcie + sync
     shown = m * (tp_f + tp_b + cp_f + cp_b) if sc.comm_measured else 0.0
     parts = {"compute": max(0.0, m * (sc.forward + sc.backward) - shown), "tp": m * (tp_f + tp_b),
              "cp": m * (cp_f + cp_b), "pp": m * (pp_f + pp_b), "ep": m * (ep_f + ep_b), "dp": dp_exposed,
-             "bubble": max(0.0, makespan - busy), "optimizer": optimizer, "sync": sync}
-    mem = memory_per_rank(arch, layout, mb, seq)
+             "bubble": max(0.0, makespan - busy), "optimizer": optimizer, "pcie": pcie, "sync": sync}
+    mem = offload_memory(memory_per_rank(arch, layout, mb, seq), layout, sharded(arch, layout, 1.0, 3),
+                         sharded(arch, layout, 1.0, 1), staged=not cluster.memory_shared)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
         mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * act)
     if cluster.memory_shared:
         mem = replace(mem, buffers=mem.buffers + peer_gradient_bytes(arch, layout))
+    if cluster.memory_shared:  # a host's offload moves nothing: the host memory is the rank's memory
+        mem = replace(mem, buffers=mem.buffers + mem.host, host=0.0)
     mem = replace(mem, runtime=cluster.base_memory_bytes)
     tok = global_batch * seq / step / layout.world
     mfu = tok * model_flops_per_token(arch, seq) / cluster.per_rank_peak(layout.world, "bf16")
-    return Prediction(layout, step, parts, mem, cluster.memory_per_rank(layout.world), tok, mfu, algos)
+    host_capacity = cluster.host_memory_bytes / cluster.ranks_per_node(layout.world) if cluster.host_memory_bytes \
+        else math.inf
+    return Prediction(layout, step, parts, mem, cluster.memory_per_rank(layout.world), tok, mfu, algos,
+                      host_capacity)
 
 
 def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,
