@@ -10,6 +10,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -21,7 +22,7 @@ import torch
 
 from .. import comm, worker_processes
 from ..comm.launch import share_cores
-from ..errors import CollectiveError, MeshtrainError
+from ..errors import CollectiveError, ConfigError, MeshtrainError
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
 
@@ -30,12 +31,30 @@ def world_size(config: Config) -> int:
     return config.parallel.world_size
 
 
+def check_backend_and_device(config: Config) -> None:
+    """``ConfigError`` where this process cannot run ``comm.backend`` or ``train.device``: NCCL
+    without CUDA (or a torch without NCCL), ``cuda`` without a GPU. Called before any process group
+    exists, so a job sent to the wrong nodes stops with the fix, not with torch's tracebacks."""
+    cuda = torch.cuda.is_available()
+    if config.comm.backend == "nccl" and not (cuda and torch.distributed.is_nccl_available()):
+        why = "sees no CUDA device" if not cuda else "has a torch without NCCL"
+        raise ConfigError(f"comm.backend = 'nccl' cannot work here: this process {why} (torch {torch.__version__}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); on CPU nodes "
+                          f"use --comm.backend=gloo --train.device=cpu (`meshtrain launch --device cpu` writes a job "
+                          f"that does), or 'auto' for both to use GPUs only where there are some")
+    if config.train.device == "cuda" and not cuda:
+        from .trainer import resolve_device  # (imported only here: the trainer pulls in the whole model stack)
+
+        resolve_device("cuda")  # its ConfigError, the one the trainer would raise
+
+
 def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     """One worker process: initialise meshtrain.comm from the launcher's environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), train, shut down."""
     from .trainer import train
 
     config = from_dict(config_dict)
+    check_backend_and_device(config)  # before comm.init: no process group for a job that cannot run
     c = config.comm
     # the elastic agent, unlike torchrun's command line, leaves every worker one thread per core
     share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -131,6 +150,7 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict
         config.checkpoint.resume = "auto"
     if not config.parallel.auto:
         validate(config)  # with auto, the layout is checked once chosen (below)
+    check_backend_and_device(config)  # here, once, not in every worker
     from .tokenizer import prepare_data
 
     _, tokenizer, _ = prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
@@ -187,6 +207,13 @@ def main_torchrun(argv: list[str] | None = None) -> int:
     if not config.out:
         raise SystemExit("meshtrain.train under torchrun: pass --out DIR (every rank must write to the same run "
                          "directory)")
+    try:
+        check_backend_and_device(config)
+    except ConfigError as exc:
+        # every rank of a host finds the same, before any process group: one line per host, not per rank
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            print(f"meshtrain.train: error: [host {socket.gethostname()}] ConfigError: {exc}", file=sys.stderr)
+        return 2
     try:
         worker(to_dict(config))
     except MeshtrainError as exc:  # bad input: one line naming it and the fix, exit 2 (as meshtrain train)

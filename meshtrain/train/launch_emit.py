@@ -1,9 +1,10 @@
 """``meshtrain launch``: write the job that runs a config on a cluster: an sbatch script for Slurm,
 or a Kubeflow ``PyTorchJob`` manifest (plus a ConfigMap holding the config) for Kubernetes. Either
-way, each node runs one torchrun that starts ``python -m meshtrain.train`` on every GPU.
+way, each node runs one torchrun that starts ``python -m meshtrain.train`` once per GPU (``--device
+cuda``: NCCL) or ``--procs-per-node`` times (``--device cpu``: gloo, and the job asks for cores, not GPUs).
 
-The config is loaded and validated here first, and its layout must fill nodes x gpus-per-node
-exactly. A job that could not start is never written.
+The config is loaded and validated here first, with the device's overrides, and its layout must
+fill nodes x processes-per-node exactly. A job that could not start is never written.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from ..config.dims import DEGREES
 from ..errors import ConfigError, MeshtrainError
 
 EMITTERS = ("slurm", "k8s")
-GPU_OVERRIDES = ("--comm.backend=nccl", "--train.device=cuda")  # appended to every worker's command
+DEVICES = ("cpu", "cuda", "auto")
+# appended to every worker's command, per device
+OVERRIDES = {"cuda": ("--comm.backend=nccl", "--train.device=cuda"), "cpu": ("--comm.backend=gloo", "--train.device=cpu")}
+GPU_OVERRIDES = OVERRIDES["cuda"]
 CONFIG_DIR = "/etc/meshtrain"  # where the ConfigMap is mounted in the pods
 RUNS_DIR = "/runs"  # where --pvc mounts its claim in the pods
 DEFAULT_TIME = "01:00:00"
@@ -36,8 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emit", required=True, choices=EMITTERS,
                    help="slurm: an sbatch script; k8s: a Kubeflow PyTorchJob manifest with a ConfigMap")
     p.add_argument("--nodes", type=int, required=True, help="hosts (one torchrun per host)")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs, and so worker processes, per host")
-    p.add_argument("--config", required=True, help="the run's TOML config; its dp*pp*cp*tp must be nodes*gpus")
+    p.add_argument("--device", choices=DEVICES, help="cuda: one NCCL worker per GPU; cpu: gloo workers on cores "
+                   "(--procs-per-node of them); auto: cuda (default: the config's train.device)")
+    p.add_argument("--gpus-per-node", type=int, help="cuda: GPUs, and so worker processes, per host")
+    p.add_argument("--procs-per-node", type=int, help="worker processes per host (needed on cpu; on cuda it is "
+                   "--gpus-per-node)")
+    p.add_argument("--config", required=True, help="the run's TOML config; its dp*pp*cp*tp must be nodes times "
+                   "processes per node")
     p.add_argument("--out", help="write the script / manifest here (default: standard output)")
     p.add_argument("--name", help="job name (default: meshtrain-<config file stem>)")
     p.add_argument("--image", help="k8s: container image with meshtrain installed (default meshtrain:latest)")
@@ -47,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", help=f"wall-clock limit [D-]HH:MM:SS (slurm default {DEFAULT_TIME}; k8s: "
                    "runPolicy.activeDeadlineSeconds, none by default)")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node (default 29500)")
-    p.add_argument("--cpus-per-gpu", type=int, default=8, help="CPU cores per GPU process (default 8); "
-                   "sets OMP_NUM_THREADS and, on slurm, cpus-per-task")
+    p.add_argument("--cpus-per-proc", "--cpus-per-gpu", dest="cpus_per_proc", type=int, default=8,
+                   help="CPU cores per worker process (default 8); sets OMP_NUM_THREADS, on slurm cpus-per-task "
+                   "(this x processes per node) and on k8s a CPU request")
     p.add_argument("--pvc", help=f"k8s: a PersistentVolumeClaim mounted at {RUNS_DIR} in every pod (the shared "
                    "run directory)")
 
@@ -60,8 +70,8 @@ class Job:
     emit: str  # "slurm" or "k8s"
     name: str
     nodes: int
-    gpus: int  # per node
-    cpus_per_gpu: int
+    procs: int  # worker processes per node (on cuda: its GPUs)
+    cpus_per_proc: int
     config_path: str  # absolute
     config_text: str  # the file, byte for byte (the ConfigMap's content)
     layout: str  # "dp=4 x tp=2", for the header comment
@@ -71,7 +81,19 @@ class Job:
     partition: str | None
     time: str | None
     pvc: str | None
+    device: str = "cuda"  # "cuda" or "cpu"
     warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The flags every worker's command ends with."""
+        return OVERRIDES[self.device]
+
+    def describe(self) -> str:
+        """"2 nodes x 4 GPUs = 8 ranks (dp=4 x tp=2)", or "... x 4 processes ... on CPU (gloo)"."""
+        unit = "GPUs" if self.device == "cuda" else "processes"
+        tail = "" if self.device == "cuda" else ", on CPU (gloo)"
+        return f"{self.nodes} nodes x {self.procs} {unit} = {self.nodes * self.procs} ranks ({self.layout}){tail}"
 
 
 def _need(ok: bool, message: str) -> None:
@@ -85,17 +107,18 @@ def layout_name(p: Any, skip_ones: bool = False) -> str:
     return " x ".join(named) or "dp=1"
 
 
-def _world_error(path: str, p: Any, nodes: int, gpus: int) -> ConfigError:
-    world, have = p.world_size, nodes * gpus
+def _world_error(path: str, p: Any, nodes: int, procs: int, device: str = "cuda") -> ConfigError:
+    per_node, unit = ("--gpus-per-node", "GPUs") if device == "cuda" else ("--procs-per-node", "processes")
+    world, have = p.world_size, nodes * procs
     rest = world // p.dp  # the ranks of one data-parallel replica (every world degree but dp)
     fixes = [f"set parallel.dp = {have // rest} in the config"] if have % rest == 0 else []
-    if world % gpus == 0:
-        fixes.append(f"use --nodes {world // gpus}")
+    if world % procs == 0:
+        fixes.append(f"use --nodes {world // procs}")
     elif world % nodes == 0:
-        fixes.append(f"use --gpus-per-node {world // nodes}")
-    fixes = fixes or [f"choose --nodes and --gpus-per-node whose product is {world}"]
+        fixes.append(f"use {per_node} {world // nodes}")
+    fixes = fixes or [f"choose --nodes and {per_node} whose product is {world}"]
     return ConfigError(f"{path}: the layout {layout_name(p)} needs {world} ranks, "
-                       f"but --nodes {nodes} x --gpus-per-node {gpus} gives {have} GPUs; {' or '.join(fixes)}")
+                       f"but --nodes {nodes} x {per_node} {procs} gives {have} {unit}; {' or '.join(fixes)}")
 
 
 def seconds(time: str) -> int:
@@ -106,6 +129,33 @@ def seconds(time: str) -> int:
     return ((d * 24 + h) * 60 + mi) * 60 + s
 
 
+def _procs_per_node(args: argparse.Namespace, device: str) -> int:
+    """Worker processes per node: the GPUs on cuda, ``--procs-per-node`` on cpu."""
+    gpus, procs = args.gpus_per_node, args.procs_per_node
+    if device == "cpu":
+        _need(gpus is None, f"--gpus-per-node {gpus} asks the scheduler for GPUs, which --device cpu does not use; "
+              f"give the worker processes per node as --procs-per-node {gpus} (or use --device cuda)")
+        _need(procs is not None, "--device cpu needs --procs-per-node N: the worker processes (gloo ranks) per "
+              "node, e.g. the layout's dp*pp*cp*tp divided by --nodes")
+        return procs
+    _need(gpus is not None or procs is not None, "--device cuda needs --gpus-per-node G: the GPUs, and so worker "
+          "processes, per node (on a CPU cluster use --device cpu --procs-per-node N)")
+    _need(gpus is None or procs is None or gpus == procs, f"--device cuda runs one worker process per GPU, but "
+          f"--procs-per-node {procs} differs from --gpus-per-node {gpus}; drop --procs-per-node")
+    return gpus if gpus is not None else procs
+
+
+def _device(args: argparse.Namespace) -> str:
+    """``--device``, else the config's ``train.device``; ``auto`` is cuda (a cluster job is for GPUs
+    unless told otherwise)."""
+    from .config import load_config
+
+    device = args.device or load_config(args.config, check=False).train.device
+    _need(device in DEVICES, f"{args.config}: train.device = {device!r} is not one of {', '.join(DEVICES)}; fix "
+          f"it, or pass --device cpu or --device cuda")
+    return "cuda" if device == "auto" else device
+
+
 def build_job(args: argparse.Namespace) -> Job:
     """Check the arguments and the config; the ``Job`` to emit. Raises ``ConfigError``."""
     from .config import load_config
@@ -113,22 +163,24 @@ def build_job(args: argparse.Namespace) -> Job:
     _need(args.emit in EMITTERS, f"--emit {args.emit!r} is not one of {', '.join(EMITTERS)}")
     k8s = args.emit == "k8s"
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
-                        ("--cpus-per-gpu", args.cpus_per_gpu)):
-        _need(value >= 1, f"{flag} must be >= 1, got {value}")
+                        ("--procs-per-node", args.procs_per_node), ("--cpus-per-proc", args.cpus_per_proc)):
+        _need(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
     _need(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")
     if args.time is not None:
         seconds(args.time)
     for flag, value, only in (("--partition", args.partition, "slurm"), ("--image", args.image, "k8s"),
                               ("--pvc", args.pvc, "k8s")):
         _need(value is None or args.emit == only, f"{flag} applies to --emit {only} only; drop it")
-    # The workers run with the GPU overrides, so the config is checked with them.
     try:
-        config = load_config(args.config, GPU_OVERRIDES)
+        device = _device(args)
+        procs = _procs_per_node(args, device)
+        # The workers run with the device's overrides, so the config is checked with them.
+        config = load_config(args.config, OVERRIDES[device])
     except UnicodeDecodeError:
         raise ConfigError(f"config file {args.config!r} is not UTF-8 text; pass a TOML file") from None
     p = config.parallel
-    if p.world_size != args.nodes * args.gpus_per_node:
-        raise _world_error(args.config, p, args.nodes, args.gpus_per_node)
+    if p.world_size != args.nodes * procs:
+        raise _world_error(args.config, p, args.nodes, procs, device)
     name = args.name or _default_name(args.config, k8s)
     if k8s:
         _need(bool(_DNS_LABEL.fullmatch(name)) and len(name) <= _K8S_NAME_MAX,
@@ -144,11 +196,12 @@ def build_job(args: argparse.Namespace) -> Job:
         _need(run_dir.startswith(RUNS_DIR + "/"), f"--run-dir {run_dir!r} is outside {RUNS_DIR}, where --pvc "
               f"mounts its claim; use --run-dir {RUNS_DIR}/{name}")
     layout = layout_name(p, skip_ones=True)
-    job = Job(args.emit, name, args.nodes, args.gpus_per_node, args.cpus_per_gpu,
+    job = Job(args.emit, name, args.nodes, procs, args.cpus_per_proc,
               str(Path(args.config).resolve()), text, layout, run_dir, args.port, args.image or "meshtrain:latest",
-              args.partition, args.time, args.pvc)
-    if job.gpus % p.tp:
-        job.warnings.append(f"parallel.tp = {p.tp} does not divide --gpus-per-node {job.gpus}: tensor-parallel "
+              args.partition, args.time, args.pvc, device)
+    if job.procs % p.tp:
+        flag = "--gpus-per-node" if device == "cuda" else "--procs-per-node"
+        job.warnings.append(f"parallel.tp = {p.tp} does not divide {flag} {job.procs}: tensor-parallel "
                             f"groups will span hosts, which is slow")
     if k8s and job.nodes > 1 and not job.pvc:
         job.warnings.append(f"the pods do not share {run_dir}: checkpoints need one filesystem that every rank "
@@ -165,26 +218,31 @@ def _default_name(config_path: str, k8s: bool) -> str:
 # --------------------------------------------------------------------------------------------- slurm
 
 def emit_slurm(job: Job) -> str:
-    """An sbatch script: one task (torchrun) per node, c10d rendezvous on the first node."""
-    sbatch = [("job-name", job.name), ("nodes", job.nodes), ("ntasks-per-node", 1), ("gpus-per-node", job.gpus),
-              ("cpus-per-task", job.gpus * job.cpus_per_gpu)]
+    """An sbatch script: one task (torchrun) per node, c10d rendezvous on the first node. On cuda it
+    asks for the GPUs; on cpu for cores only (the task's cpus-per-task)."""
+    cpus = job.procs * job.cpus_per_proc
+    sbatch: list[tuple[str, Any]] = [("job-name", job.name), ("nodes", job.nodes), ("ntasks-per-node", 1)]
+    sbatch += [("gpus-per-node", job.procs)] if job.device == "cuda" else []
+    sbatch += [("cpus-per-task", cpus)]
     sbatch += [("partition", job.partition)] if job.partition else []
     sbatch += [("time", job.time or DEFAULT_TIME), ("output", "%x-%j.out")]
     q = shlex.quote
     return "\n".join([
         "#!/bin/bash",
         *(f"#SBATCH --{k}={v}" for k, v in sbatch),
-        f"# meshtrain launch: {job.nodes} nodes x {job.gpus} GPUs = {job.nodes * job.gpus} ranks ({job.layout}).",
+        f"# meshtrain launch: {job.describe()}.",
         "# Submit with `sbatch THIS_FILE`; the log is <job-name>-<job-id>.out in the submit directory.",
         "set -euo pipefail",
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
         f"export MASTER_PORT={job.port}",
-        f"export OMP_NUM_THREADS={job.cpus_per_gpu}",
-        'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"',
+        f"export OMP_NUM_THREADS={job.cpus_per_proc}",
+        *(['export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"'] if job.device == "cuda" else []),
         f"mkdir -p {q(job.run_dir)}",
-        f"srun torchrun --nnodes $SLURM_NNODES --nproc-per-node {job.gpus} \\",
+        # Slurm 22.05's srun does not take cpus-per-task from the job (23.11 does again): without it
+        # the step, and every worker of the node, would get one core
+        f"srun --cpus-per-task={cpus} torchrun --nnodes $SLURM_NNODES --nproc-per-node {job.procs} \\",
         "    --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID \\",
-        f"    -m meshtrain.train --config {q(job.config_path)} --out {q(job.run_dir)} {' '.join(GPU_OVERRIDES)}",
+        f"    -m meshtrain.train --config {q(job.config_path)} --out {q(job.run_dir)} {' '.join(job.overrides)}",
         ""])
 
 
@@ -194,9 +252,9 @@ def torchrun_k8s(job: Job) -> list[str]:
     """The container command: static rendezvous on the Master pod. The training operator sets
     MASTER_ADDR (the Master's service), MASTER_PORT (its ``pytorchjob-port``) and RANK (the pod's
     index: Master 0, Worker i -> i + 1) in every pod; Kubernetes expands ``$(VAR)``."""
-    return ["torchrun", "--nnodes", str(job.nodes), "--nproc-per-node", str(job.gpus), "--node-rank", "$(RANK)",
+    return ["torchrun", "--nnodes", str(job.nodes), "--nproc-per-node", str(job.procs), "--node-rank", "$(RANK)",
             "--master-addr", "$(MASTER_ADDR)", "--master-port", "$(MASTER_PORT)", "-m", "meshtrain.train",
-            "--config", f"{CONFIG_DIR}/config.toml", "--out", job.run_dir, *GPU_OVERRIDES]
+            "--config", f"{CONFIG_DIR}/config.toml", "--out", job.run_dir, *job.overrides]
 
 
 def _replica(job: Job, replicas: int) -> dict[str, Any]:
@@ -208,9 +266,11 @@ def _replica(job: Job, replicas: int) -> dict[str, Any]:
         volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": job.pvc}})
     container = {"name": "pytorch", "image": job.image, "command": torchrun_k8s(job),
                  "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
-                 "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
-                         {"name": "OMP_NUM_THREADS", "value": str(job.cpus_per_gpu)}],
-                 "resources": {"limits": {"nvidia.com/gpu": job.gpus}}, "volumeMounts": mounts}
+                 "env": [*([{"name": "NCCL_DEBUG", "value": "WARN"}] if job.device == "cuda" else []),
+                         {"name": "OMP_NUM_THREADS", "value": str(job.cpus_per_proc)}],
+                 # on cpu the pod asks for the cores its workers use, as the Slurm job does
+                 "resources": {"limits": {"nvidia.com/gpu": job.procs}} if job.device == "cuda"
+                 else {"requests": {"cpu": job.procs * job.cpus_per_proc}}, "volumeMounts": mounts}
     return {"replicas": replicas, "restartPolicy": "OnFailure",
             "template": {"spec": {"containers": [container], "volumes": volumes}}}
 
@@ -228,7 +288,7 @@ def emit_k8s(job: Job) -> str:
         spec["runPolicy"] = {"activeDeadlineSeconds": seconds(job.time)}
     pytorchjob = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": job.name},
                   "spec": spec}
-    head = [f"# meshtrain launch: {job.nodes} nodes x {job.gpus} GPUs = {job.nodes * job.gpus} ranks ({job.layout}).",
+    head = [f"# meshtrain launch: {job.describe()}.",
             "# Needs the Kubeflow training operator; submit with `kubectl apply -f THIS_FILE`."]
     return "\n".join(head + to_yaml(configmap) + ["---"] + to_yaml(pytorchjob)) + "\n"
 
@@ -289,6 +349,6 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     submit = f"sbatch {args.out}" if job.emit == "slurm" else f"kubectl apply -f {args.out}"
-    print(f"# wrote {args.out}: {job.name}, {job.nodes} nodes x {job.gpus} GPUs ({job.layout}); submit with "
+    print(f"# wrote {args.out}: {job.name}, {job.describe()}; submit with "
           f"`{submit}`")
     return 0

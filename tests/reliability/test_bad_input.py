@@ -91,6 +91,14 @@ CONFIG_CASES = {
                                   ["train.loss_scale_init = 0.0 must be a finite number >= 1", "65536"]),
     "loss-scale-growth-interval-zero": (["--train.precision=fp16", "--train.loss_scale_growth_interval=0"],
                                         ["train.loss_scale_growth_interval = 0 must be >= 1", "2000"]),
+    # ZeRO CPU offload
+    "offload-without-zero": (["--parallel.dp=2", "--parallel.tp=1", "--parallel.offload=optimizer"],
+                             ["parallel.offload = 'optimizer' needs ZeRO", "set parallel.zero_stage = 1, 2 or 3"]),
+    "offload-params-without-stage-3": (["--parallel.dp=2", "--parallel.tp=1", "--parallel.zero_stage=2",
+                                        "--parallel.offload=params"],
+                                       ["parallel.offload = 'params' needs parallel.zero_stage = 3",
+                                        "parallel.offload = 'optimizer' with stage 2"]),
+    "offload-unknown": (["--parallel.offload=cpu"], ["parallel.offload = 'cpu' is not one of none, optimizer, params"]),
     # mixture of experts
     "ep-not-dividing-dp-shard": (["--model.preset=moe-test", "--parallel.dp=2", "--parallel.tp=1", "--parallel.ep=3"],
                                  ["parallel.ep = 3 must divide dp_shard = 2 x cp = 1", "[1, 2]"]),

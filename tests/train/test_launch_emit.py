@@ -46,10 +46,12 @@ def run(*argv: str) -> int:
     return launch_emit.main(parser.parse_args(list(argv)))
 
 
-def emit(tmp_path: Path, config: Path, kind: str, nodes: int, gpus: int, *extra: str) -> str:
+def emit(tmp_path: Path, config: Path, kind: str, nodes: int, gpus: int | None, *extra: str) -> str:
+    """Emit to a file and return it; ``gpus`` None: no --gpus-per-node (the cpu form)."""
     out = tmp_path / f"job.{kind}"
-    assert run("--emit", kind, "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--config", str(config),
-               "--out", str(out), *extra) == 0
+    per_node = ["--gpus-per-node", str(gpus)] if gpus is not None else []
+    assert run("--emit", kind, "--nodes", str(nodes), *per_node, "--config", str(config), "--out", str(out),
+               *extra) == 0
     return out.read_text()
 
 
@@ -169,12 +171,13 @@ def test_slurm_script_fields(tmp_path, config):
     assert any("scontrol show hostnames" in x and "$SLURM_JOB_NODELIST" in x and "head -n1" in x
                and x.startswith("export MASTER_ADDR=") for x in lines)
     assert "export MASTER_PORT=29600" in lines
-    assert argv[:2] == ["srun", "torchrun"]
-    flags = dict(zip(argv[2:14:2], argv[3:14:2]))
+    assert argv[:3] == ["srun", "--cpus-per-task=32", "torchrun"]  # 22.05's srun does not inherit it
+    flags = dict(zip(argv[3:15:2], argv[4:15:2]))
     assert flags == {"--nnodes": "$SLURM_NNODES", "--nproc-per-node": "4", "--rdzv-backend": "c10d",
                      "--rdzv-endpoint": "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id": "$SLURM_JOB_ID",
                      "-m": "meshtrain.train"}
-    assert argv[14:] == ["--config", str(config.resolve()), "--out", "runs/meshtrain-my_run",
+    assert "export NCCL_DEBUG=\"${NCCL_DEBUG:-WARN}\"" in lines
+    assert argv[15:] == ["--config", str(config.resolve()), "--out", "runs/meshtrain-my_run",
                          "--comm.backend=nccl", "--train.device=cuda"]
 
 
@@ -197,7 +200,9 @@ def test_slurm_script_runs(tmp_path, config):
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node-[a-b]",
                SLURM_NNODES="2", SLURM_JOB_ID="4242", ARGV_FILE=str(tmp_path / "argv"))
     subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True, timeout=30)
-    a = torchrun_args((tmp_path / "argv").read_text().splitlines())
+    srun_argv = (tmp_path / "argv").read_text().splitlines()
+    assert srun_argv[0] == "--cpus-per-task=32"
+    a = torchrun_args(srun_argv[1:])
     assert (a.nnodes, a.nproc_per_node, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id) == (
         "2", "4", "c10d", "node-a:29500", "4242")
     assert a.module and a.training_script == "meshtrain.train"
@@ -273,3 +278,77 @@ def test_stdout_and_warnings(tmp_path, config, capsys):
     captured = capsys.readouterr()
     assert "tensor-parallel groups will span hosts" in captured.err
     assert captured.out.startswith(f"# wrote {tmp_path / 'job.sh'}") and "sbatch" in captured.out
+
+
+# --------------------------------------------------------------------------------------------- cpu
+
+def test_slurm_cpu_script_asks_for_cores_and_runs_gloo(tmp_path, config):
+    script = emit(tmp_path, config, "slurm", 4, None, "--device", "cpu", "--procs-per-node", "2", "--cpus-per-proc", "3")
+    opts, lines, argv = sbatch_parts(script)
+    assert opts == {"job-name": "meshtrain-my_run", "nodes": "4", "ntasks-per-node": "1", "cpus-per-task": "6",
+                    "time": "01:00:00", "output": "%x-%j.out"}  # no gpus-per-node / gpus
+    assert "gpu" not in "".join(line for line in lines if line.startswith("#SBATCH"))
+    assert "export OMP_NUM_THREADS=3" in lines and not any("NCCL" in line for line in lines)
+    assert any("4 nodes x 2 processes = 8 ranks (dp=4 x tp=2), on CPU (gloo)" in line for line in lines)
+    assert argv[:3] == ["srun", "--cpus-per-task=6", "torchrun"]
+    a = torchrun_args(argv[2:])
+    assert (a.nnodes, a.nproc_per_node) == ("$SLURM_NNODES", "2")
+    cfg = worker_config(a.training_script_args, config)
+    assert (cfg.comm.backend, cfg.train.device, cfg.parallel.world_size) == ("gloo", "cpu", 8)
+
+
+@pytest.mark.parametrize("device, form", [("cpu", "cpu"), ("cuda", "cuda"), ("auto", "cuda")])
+def test_device_defaults_to_the_configs(tmp_path, device, form):
+    path = tmp_path / "c.toml"
+    path.write_text(CONFIG.replace("[train]\n", f'[train]\ndevice = "{device}"\n'))
+    per_node = ["--procs-per-node", "2"] if form == "cpu" else ["--gpus-per-node", "2"]
+    out = tmp_path / "job.sh"
+    assert run("--emit", "slurm", "--nodes", "4", *per_node, "--config", str(path), "--out", str(out)) == 0
+    opts, _, argv = sbatch_parts(out.read_text())
+    assert ("gpus-per-node" in opts) == (form == "cuda")
+    assert argv[-1] == f"--train.device={form}"
+    # --device wins over the config
+    other = "cuda" if form == "cpu" else "cpu"
+    flip = ["--gpus-per-node", "2"] if other == "cuda" else ["--procs-per-node", "2"]
+    assert run("--emit", "slurm", "--nodes", "4", *flip, "--device", other, "--config", str(path), "--out",
+               str(out)) == 0
+    assert sbatch_parts(out.read_text())[2][-1] == f"--train.device={other}"
+
+
+def test_k8s_cpu_manifest(tmp_path, config):
+    cm, job = yaml.safe_load_all(emit(tmp_path, config, "k8s", 2, None, "--device", "cpu", "--procs-per-node", "4",
+                                      "--cpus-per-proc", "2"))
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        (c,) = spec["template"]["spec"]["containers"]
+        assert c["resources"] == {"requests": {"cpu": 8}}  # cores, no nvidia.com/gpu
+        assert {e["name"]: e["value"] for e in c["env"]} == {"OMP_NUM_THREADS": "2"}
+        cmd = c["command"]
+        assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+        assert cmd[-2:] == ["--comm.backend=gloo", "--train.device=cpu"]
+
+
+@pytest.mark.parametrize("kind", ["slurm", "k8s"])
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--nodes", "2"], "--device cpu needs --procs-per-node N"),
+    (["--device", "cpu", "--nodes", "2", "--gpus-per-node", "4"], "--gpus-per-node 4 asks the scheduler for GPUs, "
+                                                                  "which --device cpu does not use"),
+    (["--device", "cuda", "--nodes", "2"], "--device cuda needs --gpus-per-node G"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--procs-per-node", "2"], "--procs-per-node 2 differs from "
+                                                                        "--gpus-per-node 4; drop --procs-per-node"),
+    (["--device", "cpu", "--nodes", "2", "--procs-per-node", "8"], "but --nodes 2 x --procs-per-node 8 gives 16 "
+                                                                   "processes; set parallel.dp = 8"),
+    (["--device", "cpu", "--nodes", "2", "--procs-per-node", "0"], "--procs-per-node must be >= 1, got 0"),
+    (["--device", "cpu", "--nodes", "2", "--procs-per-node", "4", "--cpus-per-proc", "0"],
+     "--cpus-per-proc must be >= 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--config", "TPU"], "train.device = 'tpu' is not one of cpu, cuda, "
+                                                                  "auto; fix it, or pass --device cpu"),
+])
+def test_device_errors(tmp_path, config, capsys, kind, argv, message):
+    tpu = tmp_path / "tpu.toml"
+    tpu.write_text('[train]\ndevice = "tpu"\n')
+    argv = ["--emit", kind, "--config", str(config), *(str(tpu) if a == "TPU" else a for a in argv),
+            "--out", str(tmp_path / "job.out")]
+    assert run(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtrain launch: error: ") and message in err, err
+    assert not (tmp_path / "job.out").exists()
