@@ -88,9 +88,9 @@ def test_gpu_check_uses_a_cuda_python3_as_it_is(tmp_path):
     assert all(p.split(":")[0] == str(checkout) for p in paths)  # the checkout first on PYTHONPATH
     assert args[0] == "-c PROBE" and args[1].startswith("-m pytest -m cuda")
     assert args[2].startswith("-m meshtrain.cli bench loop") and "--device cuda" in args[2]
-    assert args[3].startswith("- ") and args[4].startswith("- ")  # the 8b and fp16 scripts on stdin
-    assert [a.split()[:3] for a in args[5:]] == [["-m", "meshtrain.cli", "plan"]] * 2
-    assert len(args) == 7  # no pip, no venv
+    assert all(a.startswith("- ") for a in args[3:6])  # the 8b, fp16 and 8b-offload scripts on stdin
+    assert [a.split()[:3] for a in args[6:]] == [["-m", "meshtrain.cli", "plan"]] * 2
+    assert len(args) == 8  # no pip, no venv
 
 
 def test_gpu_check_without_cuda_installs_nothing(tmp_path):
