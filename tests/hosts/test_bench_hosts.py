@@ -15,8 +15,9 @@ from ._util import skip_without_namespaces
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("op, extra", [("all_reduce", "hierarchical,ring"), ("all_gather", "hierarchical"),
-                                       ("reduce_scatter", "ring")])
+# one op: the bench's plumbing is the same for every op (7 s a launch on 2 cores), and each
+# algorithm's results across hosts are checked by test_collectives_across_hosts' matrix
+@pytest.mark.parametrize("op, extra", [("all_reduce", "hierarchical,ring")])
 def test_bench_hosts_writes_records_with_ratios_to_gloo(op, extra, tmp_path, capsys):
     skip_without_namespaces()
     js, png = tmp_path / "h.json", tmp_path / "h.png"
