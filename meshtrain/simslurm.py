@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Mapping
@@ -37,6 +38,9 @@ from .simhosts import _UNSHARE, _alive, _ns, free_port, namespaces_unavailable
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
 CONTROLLER = "simctld"  # slurmctld's hostname (it must match SlurmctldHost)
+# a longer root (a deep pytest tmp_path under CI's temp dir) is replaced by a short one in /tmp: the
+# daemons' Unix sockets live under it, and a socket's path is at most 108 bytes
+MAX_ROOT = 48
 # $1 hostname, $2 hosts file ('' for none), then the daemon's command line (exec'd: its pid is ours)
 _WRAPPER = """
 echo "$1" > /proc/sys/kernel/hostname || exit 125
@@ -70,7 +74,8 @@ class SlurmError(RuntimeError):
 
 
 class SimulatedSlurm:
-    """munged, slurmctld and ``n_nodes`` slurmd (``sim0``, ``sim1``, ...; ``cpus`` each) under ``root``.
+    """munged, slurmctld and ``n_nodes`` slurmd (``sim0``, ``sim1``, ...; ``cpus`` each) under ``root``
+    (or, where its path is longer than ``MAX_ROOT``, a short directory in /tmp, removed by ``stop``).
 
     The daemons start in the constructor; once it returns, every node is idle. ``env()`` is the
     environment for Slurm's commands (``SLURM_CONF``); a job gets the submitter's environment.
@@ -81,6 +86,8 @@ class SimulatedSlurm:
         if reason:
             raise RuntimeError(reason)
         self.root = Path(root).resolve()
+        if len(str(self.root)) > MAX_ROOT:  # munged's and slurmd's Unix sockets live under it: 108 bytes at most
+            self.root = Path(tempfile.mkdtemp(prefix="meshtrain-slurm-", dir="/tmp"))
         self.nodes = [f"sim{k}" for k in range(n_nodes)]
         self.cpus = cpus
         self._procs: dict[str, subprocess.Popen] = {}
