@@ -12,6 +12,9 @@ util-linux's ``unshare``: ``namespaces_unavailable()`` says why not, for ``pytes
         assert hosts.wait(120) == [0, 0], hosts.tails()
         assert hosts.shm_left(0) == []
 
+``SimulatedHosts.commands`` runs a given command line on each host instead, with a given
+environment (a cluster's launch command, with the variables its scheduler would set).
+
 Things found while writing it:
 
 * The simulated hostnames do not resolve, so each agent gets ``--local-addr 127.0.0.1`` (else
@@ -41,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Mapping, Sequence
 
-# $1 hostname, $2 tmpfs size, $3 file for the /dev/shm listing, then the torchrun command line.
+# $1 hostname, $2 tmpfs size, $3 file for the /dev/shm listing, then the host's command line.
 _WRAPPER = """
 echo "$1" > /proc/sys/kernel/hostname || exit 125
 mount -t tmpfs -o size="$2",mode=1777 simhost-shm /dev/shm || exit 125
@@ -159,55 +162,84 @@ class SimulatedHosts:
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
                  max_restarts: int = 0, rdzv_timeout: int = 60, shm_size: str = "2g",
                  torchrun_args: Sequence[str] = ()) -> None:
-        reason = namespaces_unavailable()
-        if reason:
-            raise RuntimeError(reason)
-        self.n = n_hosts
+        self._setup(n_hosts, log_dir, cwd, shm_size)
         self.nproc = [nproc] * n_hosts if isinstance(nproc, int) else list(nproc)
         if len(self.nproc) != n_hosts:
             raise ValueError(f"nproc has {len(self.nproc)} entries for {n_hosts} hosts")
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self._worker, self._extra = list(worker), list(torchrun_args)
-        self._max_restarts, self._rdzv_timeout, self._shm_size = max_restarts, rdzv_timeout, shm_size
-        self._cwd = os.fspath(cwd) if cwd is not None else None
-        self._env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_HOST_ID"}
-        self._env.update({"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(env or {})})
-        self._procs: list[subprocess.Popen] = []
-        self._mnt: list[str | None] = []  # each host's mount namespace
-        self._marks: list[bytes] = []  # each host's environment mark
+        self._max_restarts, self._rdzv_timeout = max_restarts, rdzv_timeout
+        env_all = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_HOST_ID"}
+        env_all.update({"GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(env or {})})
         own = _ns(os.getpid())
         for attempt in range(4):  # the port was free when picked; someone may take it before the agent binds it
             self.port = free_port()
-            self._launch(own)
+            run_id = f"simhosts-{uuid.uuid4().hex[:8]}"
+            self._launch([self._torchrun(k, run_id) for k in range(n_hosts)], [env_all] * n_hosts, run_id, own)
             if self._await_store() or attempt == 3:
                 break
             self.kill_all()
 
+    @classmethod
+    def commands(cls, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]],
+                 log_dir: str | os.PathLike, cwd: str | os.PathLike | None = None,
+                 shm_size: str = "2g") -> "SimulatedHosts":
+        """One simulated host per entry of ``argvs``: host k runs ``argvs[k]`` with exactly the
+        environment ``envs[k]`` (nothing inherited from this process, so it must hold PATH), plus
+        the host's own TMPDIR and its MESHTRAIN_SIMHOST mark, which the host needs. The commands
+        choose their own rendezvous (``port`` is None, ``nproc`` []) and must use only loopback
+        addresses, as the simulated hostnames do not resolve. Logs and the other methods are as
+        for a constructed instance; ``agent_pid(k)`` is the command's process."""
+        if len(envs) != len(argvs):
+            raise ValueError(f"{len(envs)} environments for {len(argvs)} commands")
+        self = cls.__new__(cls)
+        self._setup(len(argvs), log_dir, cwd, shm_size)
+        self.nproc, self.port = [], None
+        self._launch([list(a) for a in argvs], [dict(e) for e in envs], f"simhosts-{uuid.uuid4().hex[:8]}",
+                     _ns(os.getpid()))
+        return self
+
     # -- start-up ---------------------------------------------------------------------------------
 
-    def _launch(self, own_ns: str | None) -> None:
-        run_id = f"simhosts-{uuid.uuid4().hex[:8]}"
+    def _setup(self, n_hosts: int, log_dir: str | os.PathLike, cwd: str | os.PathLike | None,
+               shm_size: str) -> None:
+        """What every form needs: the check that hosts can run here, the log directory, no hosts yet."""
+        reason = namespaces_unavailable()
+        if reason:
+            raise RuntimeError(reason)
+        self.n = n_hosts
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._cwd = os.fspath(cwd) if cwd is not None else None
+        self._shm_size = shm_size
+        self._procs: list[subprocess.Popen] = []
+        self._mnt: list[str | None] = []  # each host's mount namespace
+        self._marks: list[bytes] = []  # each host's environment mark
+
+    def _torchrun(self, k: int, run_id: str) -> list[str]:
+        """Host k's torchrun agent: c10d rendezvous on 127.0.0.1:port, then the worker."""
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.n),
+                "--nproc-per-node", str(self.nproc[k]), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", run_id,
+                # host0's agent holds the rendezvous store, as on a real cluster's first host
+                "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={self._rdzv_timeout}",
+                "--local-addr", "127.0.0.1", "--max-restarts", str(self._max_restarts),
+                "--monitor-interval", "0.2", *self._extra, *self._worker]
+
+    def _launch(self, argvs: list[list[str]], envs: list[dict[str, str]], run_id: str, own_ns: str | None) -> None:
+        """Start host k running ``argvs[k]`` with ``envs[k]`` in its own namespaces."""
         self._procs, self._mnt, self._marks = [], [], []
         for k in range(self.n):
             tmp = self.log_dir / f"host{k}.tmp"
             tmp.mkdir(exist_ok=True)
             self._shm_file(k).unlink(missing_ok=True)
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.n),
-                        "--nproc-per-node", str(self.nproc[k]), "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", run_id,
-                        # host0's agent holds the rendezvous store, as on a real cluster's first host
-                        "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={self._rdzv_timeout}",
-                        "--local-addr", "127.0.0.1", "--max-restarts", str(self._max_restarts),
-                        "--monitor-interval", "0.2", *self._extra, *self._worker]
             mark = f"{run_id}-host{k}"  # inherited by every process of the host: see _host_pids
             self._marks.append(f"MESHTRAIN_SIMHOST={mark}".encode())
             with open(self.log_dir / f"host{k}.out", "wb") as out, open(self.log_dir / f"host{k}.err", "wb") as err:
                 self._procs.append(subprocess.Popen(
                     [*_UNSHARE, "sh", "-c", _WRAPPER, "simhost", f"host{k}", self._shm_size,
-                     str(self._shm_file(k)), *torchrun],
+                     str(self._shm_file(k)), *argvs[k]],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self._cwd,
-                    env={**self._env, "TMPDIR": str(tmp), "MESHTRAIN_SIMHOST": mark}, start_new_session=True))
+                    env={**envs[k], "TMPDIR": str(tmp), "MESHTRAIN_SIMHOST": mark}, start_new_session=True))
         for p in self._procs:  # unshare(2) runs just after exec: wait until the process has left our namespace
             deadline = time.monotonic() + 10
             while (ns := _ns(p.pid)) == own_ns and p.poll() is None and time.monotonic() < deadline:

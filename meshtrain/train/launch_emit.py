@@ -268,9 +268,10 @@ def _replica(job: Job, replicas: int) -> dict[str, Any]:
                  "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
                  "env": [*([{"name": "NCCL_DEBUG", "value": "WARN"}] if job.device == "cuda" else []),
                          {"name": "OMP_NUM_THREADS", "value": str(job.cpus_per_proc)}],
-                 # on cpu the pod asks for the cores its workers use, as the Slurm job does
-                 "resources": {"limits": {"nvidia.com/gpu": job.procs}} if job.device == "cuda"
-                 else {"requests": {"cpu": job.procs * job.cpus_per_proc}}, "volumeMounts": mounts}
+                 # on cpu the pod asks for the cores its workers use, as the Slurm job does. Quantities
+                 # are strings, the schema's type (the operator SDK's models drop or retype a number)
+                 "resources": {"limits": {"nvidia.com/gpu": str(job.procs)}} if job.device == "cuda"
+                 else {"requests": {"cpu": str(job.procs * job.cpus_per_proc)}}, "volumeMounts": mounts}
     return {"replicas": replicas, "restartPolicy": "OnFailure",
             "template": {"spec": {"containers": [container], "volumes": volumes}}}
 

@@ -5,12 +5,15 @@ loader; bad input exits 2 with a message and writes no file."""
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import re
 import shlex
 import stat
 import subprocess
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -87,7 +90,7 @@ def test_k8s_manifest_fields(tmp_path, config):
         pod = spec["template"]["spec"]
         (c,) = pod["containers"]
         assert c["name"] == "pytorch" and c["image"] == "reg.io/mesh:1.0"
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
         assert {"name": "pytorchjob-port", "containerPort": 23456} in c["ports"]
         env = {e["name"]: e["value"] for e in c["env"]}
         assert env["NCCL_DEBUG"] == "WARN" and env["OMP_NUM_THREADS"] == "8"
@@ -126,7 +129,7 @@ def test_k8s_replicas(tmp_path, config, nodes, gpus):
     assert specs["Master"]["replicas"] == 1
     assert specs.get("Worker", {"replicas": 0})["replicas"] == nodes - 1
     c = specs["Master"]["template"]["spec"]["containers"][0]
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
     assert c["command"][c["command"].index("--nnodes") + 1] == str(nodes)
 
 
@@ -320,7 +323,7 @@ def test_k8s_cpu_manifest(tmp_path, config):
                                       "--cpus-per-proc", "2"))
     for spec in job["spec"]["pytorchReplicaSpecs"].values():
         (c,) = spec["template"]["spec"]["containers"]
-        assert c["resources"] == {"requests": {"cpu": 8}}  # cores, no nvidia.com/gpu
+        assert c["resources"] == {"requests": {"cpu": "8"}}  # cores, no nvidia.com/gpu
         assert {e["name"]: e["value"] for e in c["env"]} == {"OMP_NUM_THREADS": "2"}
         cmd = c["command"]
         assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
@@ -352,3 +355,104 @@ def test_device_errors(tmp_path, config, capsys, kind, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("meshtrain launch: error: ") and message in err, err
     assert not (tmp_path / "job.out").exists()
+
+
+# --------------------------------------------------------------------- the operator's PyTorchJob schema
+
+SDK_VERSION = "1.9.4"  # kubeflow-training, pinned in pyproject.toml's dev extras
+
+
+def _diff(want: Any, got: Any, path: str = "") -> list[str]:
+    """Where ``got`` differs from ``want``: a key missing on either side, a value, or its type."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        return [d for k in sorted(want.keys() | got.keys()) for d in (
+            _diff(want[k], got[k], f"{path}/{k}") if k in want and k in got
+            else [f"{path}/{k}: {'dropped' if k in want else 'added'}"])]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [d for i, (w, g) in enumerate(zip(want, got)) for d in _diff(w, g, f"{path}[{i}]")]
+    return [] if type(want) is type(got) and want == got else [f"{path}: {want!r} became {got!r}"]
+
+
+def pytorchjob_schema_errors(manifest: dict) -> list[str]:
+    """How ``manifest`` breaks the Kubeflow training operator's ``PyTorchJob`` schema; [] if it keeps it.
+
+    The operator's Python SDK (``kubeflow-training``) has models generated from its OpenAPI spec
+    (the pod template's, from the ``kubernetes`` client's). Deserializing into
+    ``KubeflowOrgV1PyTorchJob`` checks required fields (client-side validation, on by default)
+    and converts each value to its declared type; a key the schema does not know is dropped. So the
+    manifest keeps the schema exactly when it serializes back unchanged: each difference names a
+    field that is unknown or mistyped.
+    """
+    from kubeflow.training import ApiClient
+
+    # The SDK's model requires spec.runPolicy (its Go field has no omitempty); the CRD that the API
+    # server validates with requires only pytorchReplicaSpecs (v1.9's manifests/base/crds/
+    # kubeflow.org_pytorchjobs.yaml), and the operator defaults the policy. So a manifest without
+    # one is checked with an empty one, which adds no field to compare.
+    spec = manifest.get("spec", {})
+    if isinstance(spec, dict) and "runPolicy" not in spec:
+        manifest = {**manifest, "spec": {**spec, "runPolicy": {}}}
+
+    class Response:  # what ApiClient.deserialize reads: an HTTP response with a JSON body
+        data = json.dumps(manifest)
+
+    client = ApiClient()
+    assert client.configuration.client_side_validation
+    try:
+        obj = client.deserialize(Response(), "KubeflowOrgV1PyTorchJob")
+    except (ValueError, TypeError) as exc:  # a required field missing, a value its type cannot take
+        return [f"rejected: {exc}"]
+    return _diff(manifest, client.sanitize_for_serialization(obj))
+
+
+# ids without "cuda": tests/conftest.py skips a test with that keyword where torch sees no GPU
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-manifest", "gpu-manifest"])
+def test_k8s_manifest_keeps_the_operators_pytorchjob_schema(tmp_path, device):
+    """Every field of the PyTorchJob (with the options that add fields: --time, --pvc) is one the
+    Kubeflow training operator's schema declares, with its type: checked with the operator's SDK,
+    kubeflow-training 1.9.4 (models generated from training-operator v1.9's OpenAPI spec)."""
+    from importlib.metadata import version
+
+    assert version("kubeflow-training") == SDK_VERSION  # the version docs/training.md names
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "test"\n[parallel]\ndp = 2\ntp = 2\n')
+    per_node = ["--procs-per-node", "2"] if device == "cpu" else ["--gpus-per-node", "2"]
+    _, job = yaml.safe_load_all(emit(tmp_path, config, "k8s", 2, None, "--device", device, *per_node,
+                                     "--time", "02:00:00", "--pvc", "shared"))
+    assert job["spec"]["pytorchReplicaSpecs"].keys() == {"Master", "Worker"} and "runPolicy" in job["spec"]
+    assert pytorchjob_schema_errors(job) == []
+
+
+def _set(path: tuple, value: Any = None, rename: str | None = None) -> Callable[[dict], None]:
+    """A mutation of a manifest: set the value at ``path``, or rename its last key to ``rename``."""
+    def mutate(job: dict) -> None:
+        parent = functools.reduce(lambda node, key: node[key], path[:-1], job)
+        if rename is not None:
+            parent[rename] = parent.pop(path[-1])
+        else:
+            parent[path[-1]] = value
+    return mutate
+
+
+_MASTER = ("spec", "pytorchReplicaSpecs", "Master")
+_CONTAINER = (*_MASTER, "template", "spec", "containers", 0)
+
+
+@pytest.mark.parametrize("mutate, error", [
+    (_set(("spec", "pytorchReplicaSpecs"), rename="replicasSpecs"),
+     "rejected: Invalid value for `pytorch_replica_specs`"),
+    (_set((*_MASTER, "restartPolicy"), rename="restartPolcy"),
+     "/spec/pytorchReplicaSpecs/Master/restartPolcy: dropped"),
+    (_set((*_CONTAINER, "ports", 0, "containerPort"), "29500"), "containerPort: '29500' became 29500"),
+    (_set((*_MASTER, "replicas"), "one"), "rejected: invalid literal for int()"),
+    (_set((*_CONTAINER, "resources", "limits", "nvidia.com/gpu"), 2), "nvidia.com/gpu: 2 became '2'"),
+    (_set((*_CONTAINER, "volumeMounts"), rename="volumeMount"), "containers[0]/volumeMount: dropped"),
+], ids=["misspelled-required", "misspelled-optional", "string-for-int", "word-for-int", "int-for-quantity",
+        "misspelled-in-the-pod"])
+def test_pytorchjob_schema_check_catches_a_bad_field(tmp_path, config, mutate, error):
+    """The check above fails on a manifest with one field misspelled or mistyped, naming it."""
+    _, job = yaml.safe_load_all(emit(tmp_path, config, "k8s", 2, 4))
+    assert pytorchjob_schema_errors(job) == []
+    mutate(job)
+    errors = pytorchjob_schema_errors(job)
+    assert len(errors) == 1 and error in errors[0], errors
