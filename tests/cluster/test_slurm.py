@@ -27,31 +27,10 @@ from meshtrain.cli import main
 from meshtrain.simhosts import free_port
 from meshtrain.simslurm import SimulatedSlurm, unavailable
 
+from ..hosts._util import tiny_job_config
+
 STEPS = 12
-CONFIG = f"""[model]
-preset = "test"
-
-[data]
-max_bytes = 300000
-vocab_size = 512
-
-[train]
-global_batch = 4
-seq_len = 32
-warmup_steps = 2
-steps = {STEPS}
-
-[parallel]
-dp = 2
-tp = 2
-
-[comm]
-timeout_s = 30
-
-[checkpoint]
-every = 2
-resume = "auto"
-"""
+CONFIG = tiny_job_config(STEPS, resume=True)
 JOB_TIMEOUT = 100  # s; a job takes about 10 here
 
 

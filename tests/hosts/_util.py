@@ -33,3 +33,31 @@ def run_hosts(tmp_path: Path, nproc: Sequence[int], worker: Sequence[str], timeo
         for k in range(hosts.n):
             assert hosts.shm_left(k) == [], f"host{k} left {hosts.shm_left(k)} in its /dev/shm"
     return hosts
+
+
+def tiny_job_config(steps: int, resume: bool = False) -> str:
+    """The config file of the scheduler tests' job (Slurm, PyTorchJob): the test model, dp2 x tp2,
+    a checkpoint every 2 steps (``resume``: continue from the latest, as a resubmitted job does)."""
+    return f"""[model]
+preset = "test"
+
+[data]
+max_bytes = 300000
+vocab_size = 512
+
+[train]
+global_batch = 4
+seq_len = 32
+warmup_steps = 2
+steps = {steps}
+
+[parallel]
+dp = 2
+tp = 2
+
+[comm]
+timeout_s = 30
+
+[checkpoint]
+every = 2
+{'resume = "auto"' + chr(10) if resume else ''}"""

@@ -38,32 +38,10 @@ import yaml
 from meshtrain.cli import main
 from meshtrain.simhosts import SimulatedHosts, free_port
 
-from ._util import skip_without_namespaces
+from ._util import skip_without_namespaces, tiny_job_config
 
 STEPS = 4
-CONFIG = f"""[model]
-preset = "test"
-
-[data]
-max_bytes = 300000
-vocab_size = 512
-
-[train]
-global_batch = 4
-seq_len = 32
-warmup_steps = 2
-steps = {STEPS}
-
-[parallel]
-dp = 2
-tp = 2
-
-[comm]
-timeout_s = 30
-
-[checkpoint]
-every = 2
-"""
+CONFIG = tiny_job_config(STEPS)
 
 
 def operator_env(job: dict[str, Any], rtype: str, index: int) -> dict[str, str]:
