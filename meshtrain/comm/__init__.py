@@ -19,6 +19,7 @@ from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, broadcast, reduce,
                           reduce_scatter, reduce_scatter_tensor)
 from .communicator import Communicator, Group, bind_process, current
+from .describe import describe
 from .compat import (GroupMember, P2POp, all_gather_object, batch_isend_irecv, broadcast_object_list,
                      destroy_process_group, gather_object, get_backend, get_global_rank, get_group_rank,
                      get_process_group_ranks, group, init_process_group, is_available,
@@ -37,7 +38,7 @@ __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "all_reduce_coalesced",
     "send", "recv", "isend", "irecv", "symmetric_empty", "stats", "reset_stats", "flight_recorder",
-    "dump_flight_recorder", "calibrate", "ReduceOp", "Work", "Group", "Communicator",
+    "dump_flight_recorder", "calibrate", "describe", "ReduceOp", "Work", "Group", "Communicator",
     "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
     # torch.distributed's remaining names (compat.py)
     "is_available", "init_process_group", "destroy_process_group", "get_backend", "is_torchelastic_launched",

@@ -137,6 +137,9 @@ class Communicator:
         self.world = Group(self, 0, range(self.world_size), timeout, torch_world)
         self.groups: list[Group] = [self.world]
         self.liveness: Any = None  # the heartbeat monitor of a process world (comm.init)
+        # init_process_group: every group also gets its torch.distributed twin, so that the
+        # program's torch.distributed calls (and its libraries') on those groups stay valid.
+        self.torch_twins = False
         self._check_thread: ThreadPoolExecutor | None = None
         self._check_lock = threading.Lock()
 
@@ -161,7 +164,7 @@ class Communicator:
         if len(self.groups) >= MAX_GROUPS:
             raise ValueError(f"too many groups: meshtrain.comm supports at most {MAX_GROUPS}")
         torch_group = None
-        if capabilities(self.transport).native_collectives:  # its collectives need torch's own group
+        if capabilities(self.transport).native_collectives or self.torch_twins:  # torch's own group
             import torch.distributed as dist
 
             torch_group = dist.new_group(sorted(ranks))

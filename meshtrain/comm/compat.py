@@ -63,11 +63,19 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        device_id: Any = None) -> None:
     """Initialise torch.distributed exactly as ``torch.distributed.init_process_group`` does
     (env:// by default, or ``init_method``, or ``store`` + ``rank`` + ``world_size``), unless it
-    already is, then meshtrain's communicator on top of it (the torch transport).
+    already is, then meshtrain's communicator on top of it.
+
+    The communicator's transport is ``auto``: on a gloo backend, shared memory between the ranks
+    of one host and gloo between hosts (a group's path is per link: ``describe(group)``); on NCCL,
+    NCCL's own group. ``MESHTRAIN_TRANSPORT=torch|shm|auto`` overrides it. torch's ProcessGroups
+    stay valid: every group made through meshtrain.comm also gets its torch.distributed twin
+    (``Group.torch_group``), so torch.distributed calls on the default group or a twin, and
+    torch.distributed groups with the ranks of a meshtrain group, keep working beside meshtrain's.
 
     ``timeout`` is a ``datetime.timedelta`` (torch's default when None: 30 minutes); it bounds
     gloo's operations and every meshtrain collective. Raises ValueError if this process (or, under
-    ``run_local``, this thread) is already initialised, TypeError for a timeout of another type.
+    ``run_local``, this thread) is already initialised or MESHTRAIN_TRANSPORT names no transport,
+    TypeError for a timeout of another type.
     """
     from . import init
 
@@ -76,12 +84,17 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     import torch.distributed as tdist
     from torch.distributed.constants import default_pg_timeout
 
+    transport = os.environ.get("MESHTRAIN_TRANSPORT", "auto")
+    if transport not in ("torch", "shm", "auto"):
+        raise ValueError(f"MESHTRAIN_TRANSPORT={transport!r} names no transport: set it to torch, shm or auto "
+                         "(or unset it: auto)")
     seconds = _seconds(timeout, default_pg_timeout.total_seconds())
     if not tdist.is_initialized():
         tdist.init_process_group(backend=backend, init_method=init_method, timeout=timeout,
                                  world_size=world_size, rank=rank, store=store, group_name=group_name,
                                  pg_options=pg_options, device_id=device_id)
-    init(transport="torch", timeout=seconds)
+    comm = init(transport=transport, timeout=seconds)
+    comm.torch_twins = True
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -117,9 +130,14 @@ def destroy_process_group(group: Any = None) -> None:
 
 
 def get_backend(group: Any = None) -> str:
-    """The backend of ``group``: torch's name (``gloo``, ``nccl``) on the torch transport, else the
-    transport's kind (``local``, ``shm``)."""
+    """The backend of ``group``: torch's name (``gloo``, ``nccl``) on the torch transport and after
+    ``init_process_group`` (the backend the program asked for, whatever path meshtrain takes:
+    ``describe`` tells that), else the transport's kind (``local``, ``shm``)."""
     g = _resolve(group)
+    if g.comm.torch_twins:
+        import torch.distributed as tdist
+
+        return str(tdist.get_backend())
     return str(getattr(g.comm.transport, "backend", None) or g.comm.transport.kind)
 
 

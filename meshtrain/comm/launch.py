@@ -59,7 +59,7 @@ def _unpack(data: bytes) -> Any:
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: float, check: bool,
-           fn: Callable[..., Any], args: tuple, transport: str, host_id: str | None, results: Any) -> None:
+           fn: Callable[..., Any], args: tuple, transport: str | None, host_id: str | None, results: Any) -> None:
     try:
         import torch.distributed as dist
 
@@ -74,7 +74,8 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
                               timeout=datetime.timedelta(seconds=comm_timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=comm_timeout))
-        init(transport=transport, timeout=comm_timeout, check=check)
+        if transport is not None:  # None: torch.distributed only; fn calls init_process_group itself
+            init(transport=transport, timeout=comm_timeout, check=check)
         out = fn(rank, *args)
         results.send((rank, "ok", _pack(out)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -101,13 +102,14 @@ def _child(rank: int, world_size: int, port: int, backend: str, comm_timeout: fl
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
           backend: str = "gloo", comm_timeout: float = 30.0, check: bool = True,
-          transport: str = "torch", host_ids: list[str] | None = None) -> list[Any]:
+          transport: str | None = "torch", host_ids: list[str] | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return results in rank order.
 
     The ranks are forked from a server that imported torch once (``worker_processes``), under
     this process's environment at the call. ``fn`` must be importable (a module-level function).
     ``timeout`` bounds the whole run; ``comm_timeout`` bounds each collective inside it;
-    ``transport`` is passed to ``init`` (torch, shm or auto); ``host_ids`` gives each rank a host
+    ``transport`` is passed to ``init`` (torch, shm or auto; None: only torch.distributed is
+    initialised, as torchrun leaves a program that calls ``init_process_group``); ``host_ids`` gives each rank a host
     id (``MESHTRAIN_HOST_ID``), so that ``auto`` treats groups of ranks as hosts (shm inside, gloo
     between) on one machine.
     """

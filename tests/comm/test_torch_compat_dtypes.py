@@ -383,7 +383,8 @@ def test_threads_match_gloo_and_plain_torch(gloo_results, torch_bad_types) -> No
         _check_errors(torch_bad_types, ours[r]["errors"], f"threads rank {r}")
 
 
-def test_torch_transport_processes_match_gloo(gloo_results, torch_bad_types) -> None:
+def test_torch_transport_processes_match_gloo(gloo_results, torch_bad_types, monkeypatch) -> None:
+    monkeypatch.setenv("MESHTRAIN_TRANSPORT", "torch")  # init_process_group's default is auto (shm here)
     ours = run_procs("meshtrain.comm", scenario, world=P)
     for r in range(P):
         assert "native" in ours[r]["reductions"]["all_reduce/int8/BXOR"]
