@@ -27,10 +27,12 @@ class HostsRunFailed(RuntimeError):
     """A simulated host's workers failed or ran out of time; the message holds their logs' tails."""
 
 
-def run_hosts(n_hosts: int, per_host: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run the timing workers on ``n_hosts`` simulated hosts of ``per_host`` ranks each; returns
-    rank 0's output (``records``, ``host_of_rank``). Raises ``HostsRunFailed`` with the hosts' log
-    tails if any host exits non-zero or overruns ``timeout`` seconds."""
+def run_hosts(n_hosts: int, per_host: int, cfg: dict[str, Any], timeout: float, worker: str = WORKER
+              ) -> dict[str, Any]:
+    """Run ``python -m worker CONFIG.json OUT.json`` (default: the timing workers) on ``n_hosts``
+    simulated hosts of ``per_host`` ranks each; returns rank 0's OUT.json (for the timing workers
+    ``records``, ``host_of_rank``). Raises ``HostsRunFailed`` with the hosts' log tails if any host
+    exits non-zero or overruns ``timeout`` seconds."""
     from ..simhosts import SimulatedHosts
 
     work = Path(tempfile.mkdtemp(prefix="meshtrain-bench-hosts-"))
@@ -38,7 +40,7 @@ def run_hosts(n_hosts: int, per_host: int, cfg: dict[str, Any], timeout: float) 
         cfg_path, out_path = work / "config.json", work / "out.json"
         cfg_path.write_text(json.dumps(dict(cfg, hosts=n_hosts, ranks_per_host=per_host)))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        with SimulatedHosts(n_hosts, per_host, ["-m", WORKER, str(cfg_path), str(out_path)], work / "hosts",
+        with SimulatedHosts(n_hosts, per_host, ["-m", worker, str(cfg_path), str(out_path)], work / "hosts",
                             env=env, cwd=ROOT) as hosts:
             try:
                 codes = hosts.wait(timeout)
