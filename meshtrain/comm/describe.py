@@ -39,4 +39,5 @@ def describe(group: Any = None) -> dict[str, Any]:
             "collectives": "shm" if g.on_shared_memory else ("native" if capabilities(t).native_collectives
                                                              else "p2p algorithms"),
             "torch_group": g.torch_group is not None,
-            "choices": {" ".join(map(str, k)): v for k, v in g.choices.items()}}
+            # select's memo keys start with (op, bytes); the rest is bookkeeping (model id, ...)
+            "choices": {f"{k[0]} {k[1]} B": v for k, v in g.choices.items()}}
