@@ -125,8 +125,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
         nodes = len(set(mc.current().world.hosts))
         calibration = {"alpha_us": model.alpha * 1e6, "beta_GBps": 1 / model.beta / 1e9,
                        "gamma_GBps": 1 / model.gamma / 1e9,
-                       "crossovers": {o: select.crossovers(model, o, p, nodes,
-                                                           extra=("shm",) if cfg["transport"] == "shm" else ())
+                       "crossovers": {o: select.crossovers(model, o, p, nodes, extra=_extra(mc.current().transport))
                                       for o in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")}}
     trials = max(int(cfg.get("trials", 3)), 1)
     for size in cfg["sizes"]:
@@ -233,17 +232,27 @@ def copy_floor_us(world: int, nbytes: int, reps: int = 30) -> float:
 
 
 def run_transport(transport: str, world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Spawn ``world`` ranks on ``transport``: threads for local, processes over gloo for torch,
-    processes over shared memory for shm."""
+    """Start ``world`` ranks on the registered ``transport``: threads (``run_local``) where its
+    ranks are threads (local), else processes (``spawn``: over gloo for torch, shared memory for
+    shm). ValueError naming the registered transports for another name."""
+    from ..comm.transport import registry
+
+    spec = registry.get(transport)
     cfg = dict(cfg, transport=transport)
-    if transport == "local":
+    if spec.threads:
         from ..comm import run_local
 
-        return run_local(world, rank_main, cfg, timeout=timeout, check=cfg.get("check", True))[0]
-    if transport in ("torch", "shm"):
-        from ..comm.launch import spawn
+        return run_local(world, rank_main, cfg, timeout=timeout, check=cfg.get("check", True), transport=transport)[0]
+    from ..comm.launch import spawn
 
-        cfg["backend"] = "gloo" if transport == "torch" else ""
-        return spawn(world, rank_main, cfg, timeout=timeout * 4 + 120, comm_timeout=timeout,
-                     check=cfg.get("check", True), transport=transport)[0]
-    raise ValueError(f"unknown transport {transport!r}: use local, torch or shm")
+    # the records name the torch backend where the data goes through torch's group (spawn's gloo)
+    cfg["backend"] = "gloo" if spec.capabilities.native_collectives else ""
+    return spawn(world, rank_main, cfg, timeout=timeout * 4 + 120, comm_timeout=timeout,
+                 check=cfg.get("check", True), transport=transport)[0]
+
+
+def _extra(transport: Any) -> tuple[str, ...]:
+    """The transport-specific algorithms ``select.crossovers`` prices: "shm" on shared memory."""
+    from ..comm.transport.base import capabilities
+
+    return ("shm",) if capabilities(transport).shared_memory else ()

@@ -6,20 +6,24 @@ import argparse
 import sys
 from typing import Any
 
+from ..comm.transport import registry
 from . import report
 from .comm import DTYPES, OPS, memcpy_gbps, run_transport
 
 ALGOS = ("ring", "tree", "recursive_doubling", "halving_doubling", "hierarchical", "direct", "native", "shm",
          "shm_symmetric", "auto")
-TRANSPORTS = ("local", "torch", "shm")
-ONLY_ON = {"native": "torch", "shm": "shm", "shm_symmetric": "shm"}  # algorithms that exist on one transport
+
+
+def only_on() -> dict[str, str]:
+    """Algorithm -> the one transport it exists on (the registry entries' ``algorithms``)."""
+    return {a: spec.name for spec in registry.specs() for a in spec.algorithms}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``meshtrain bench comm``."""
     p.add_argument("--transport", default=None,
-                   help="comma list of local,torch,shm (default: torch = gloo processes; shm = shared memory); "
-                        "not with --hosts")
+                   help=f"comma list of {','.join(registry.names())} (default: torch = gloo processes; shm = shared "
+                        "memory; local = threads); not with --hosts")
     p.add_argument("--hosts", type=int, default=None, metavar="N",
                    help="run across N simulated hosts (Linux namespaces, root: each has its own hostname and "
                         "/dev/shm and runs one torchrun) with --world ranks on EACH host, so N x WORLD ranks in all; "
@@ -75,9 +79,11 @@ def main(args: argparse.Namespace) -> int:
         return _main_hosts(args)
     transports = [t.strip() for t in (args.transport or "torch").split(",") if t.strip()]
     algos = [a.strip() for a in (args.algorithms or "ring,halving_doubling,shm,native").split(",") if a.strip()]
-    bad = [t for t in transports if t not in TRANSPORTS]
+    known = registry.names()
+    bad = [t for t in transports if t not in known]
     if bad or not transports:
-        return _fail(f"unknown transport {bad or transports}: use local, torch and/or shm, e.g. --transport shm,torch")
+        return _fail(f"unknown transport {bad or transports}: use {', '.join(known[:-1])} and/or {known[-1]}, "
+                     "e.g. --transport shm,torch")
     unknown = [a for a in algos if a not in ALGOS]
     if unknown or not algos:
         return _fail(f"unknown algorithm {unknown or algos}: choose from {', '.join(ALGOS)}")
@@ -91,9 +97,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"# single-core memcpy: {mem:.2f} GB/s (physical anchor)")
     records: list[dict[str, Any]] = []
     calibrations = {}
+    exclusive = only_on()
     for world in worlds:
         for tr in transports:
-            use = [a for a in algos if ONLY_ON.get(a, tr) == tr]
+            use = [a for a in algos if exclusive.get(a, tr) == tr]
             if not use:
                 continue
             cfg = {"op": args.op, "algorithms": use, "sizes": sizes, "dtype": args.dtype, "iters": args.iters,
@@ -152,7 +159,8 @@ def _main_hosts(args: argparse.Namespace) -> int:
     worlds, sizes = parsed
     if any(w * args.hosts < 2 for w in worlds):
         return _fail("--hosts x --world must be at least 2 ranks")
-    valid = [a for a in algorithms_for(args.op, "shm") if a != "shm"]
+    across = registry.auto_choice("gloo").name  # what the ranks' init(transport="auto") takes over gloo
+    valid = [a for a in algorithms_for(args.op, across) if a != "shm"]  # the shm collectives need one host
     named = [a.strip() for a in (args.algorithms or "auto").split(",") if a.strip()]
     bad = [a for a in named if a not in (*valid, "auto", "native")]
     if bad:

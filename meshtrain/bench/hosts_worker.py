@@ -43,6 +43,7 @@ def auto_choices(op: str, sizes: list[int], dtype: str) -> dict[int, str]:
 def main(argv: list[str] | None = None) -> int:
     """Run one rank: ``argv`` is [config path, output path]."""
     import meshtrain.comm as mc
+    from meshtrain.comm.transport.base import capabilities
 
     cfg_path, out_path = argv if argv is not None else sys.argv[1:3]
     with open(cfg_path) as f:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     comm = mc.init(transport="auto", timeout=cfg["timeout"], check=cfg.get("check", True), init_timeout=120)
     hosts = list(comm.transport.hosts)
-    if comm.transport.kind != "shm" or len(set(hosts)) != cfg["hosts"]:
+    if not capabilities(comm.transport).shared_memory or len(set(hosts)) != cfg["hosts"]:
         raise RuntimeError(f"expected shm inside a host and gloo between {cfg['hosts']} hosts; transport "
                            f"{comm.transport.kind!r}, the ranks see hosts {sorted(set(hosts))}")
     rank = mc.get_rank()

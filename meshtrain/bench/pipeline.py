@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..comm.transport import registry
 from ..parallel.pipeline.schedule import Action, bubble_fraction, theoretical_bubble
 
 COMPUTE = ("sleep", "model")
@@ -110,8 +111,9 @@ def run(pp: int = 4, microbatches: int = 8, schedules: tuple[str, ...] = ("afab"
     out = []
     for name in schedules:
         v = virtual if name == "interleaved" else 1
-        if transport == "local":
-            res = comm.run_local(pp, _rank_run, name, pp, microbatches, v, compute, opts, timeout=600)
+        if registry.runs_as_threads(transport):
+            res = comm.run_local(pp, _rank_run, name, pp, microbatches, v, compute, opts, timeout=600,
+                                 transport=transport)
         else:
             from ..comm.launch import spawn
 

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from ..comm.transport import registry
 from ..models.llama import PRESETS
 from .pipeline import COMPUTE
 from .report import write_json_atomic
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual", type=int, default=2, help="chunks per rank for interleaved (default 2)")
     p.add_argument("--compute", default="sleep", choices=COMPUTE,
                    help="stage work: 'sleep' (fixed cost, isolates the schedule) or 'model' (the Llama)")
-    p.add_argument("--transport", default="local", choices=("local", "shm", "torch"),
+    p.add_argument("--transport", default="local", choices=registry.names(),
                    help="local: ranks as threads; shm / torch: processes")
     p.add_argument("--steps", type=int, default=3, help="timed steps (the median bubble is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")

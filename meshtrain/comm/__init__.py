@@ -53,18 +53,23 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
     """Initialise this process's communicator from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT), or wrap torch.distributed's default group if it is initialised.
 
-    ``transport``: ``torch`` (the torch.distributed group: gloo or NCCL), ``shm`` (shared memory;
-    every rank on this host), or ``auto``: NCCL's group when the backend is nccl (CUDA tensors),
+    ``transport``: a registered transport whose ranks are processes (``transport/registry.py``):
+    ``torch`` (the torch.distributed group: gloo or NCCL), ``shm`` (shared memory; every rank on
+    this host), or ``auto`` (``registry.auto_choice``): NCCL's group when the backend is nccl (CUDA tensors),
     else shm between ranks of a host and gloo between hosts (found through the store: hostname +
     boot id). ``backend`` is gloo or nccl (default: nccl if CUDA is available, else gloo);
     ``timeout`` bounds every collective; ``init_timeout`` (default ``timeout``) bounds reaching the
     store and the other ranks at start-up; ``check`` turns the cross-rank metadata check on or off.
     """
-    if transport not in ("torch", "shm", "auto"):
-        raise ValueError(f"unknown transport {transport!r}: use 'torch', 'shm' or 'auto' (threads: run_local)")
+    from .transport import registry
+
+    processes = registry.names(threads=False)
+    if transport != registry.AUTO and transport not in processes:
+        raise ValueError(f"unknown transport {transport!r}: use {', '.join(map(repr, processes))} or 'auto' "
+                         "(threads: run_local)")
     import torch.distributed as dist
 
-    from .transport.torchdist import TorchTransport, init_torch_distributed
+    from .transport.torchdist import init_torch_distributed
 
     from .liveness import die_with_parent, monitor_for
 
@@ -76,14 +81,9 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
     liveness = monitor_for(store, dist.get_rank(), dist.get_world_size())
     if liveness is not None:
         liveness.announce()
-    if transport == "torch" or (transport == "auto" and dist.get_backend() == "nccl"):
-        t: Any = TorchTransport(store)
-    else:
-        from .transport.shm import ShmTransport
-
-        remote = TorchTransport(store) if transport == "auto" else None
-        t = ShmTransport.connect(dist.PrefixStore("meshtrain", store), dist.get_rank(),
-                                 dist.get_world_size(), setup, remote=remote)
+    auto = transport == registry.AUTO
+    spec = registry.auto_choice(str(dist.get_backend())) if auto else registry.get(transport)
+    t: Any = spec.build(registry.Setup(dist.get_rank(), dist.get_world_size(), setup, store=store, spans_hosts=auto))
     hosts = getattr(t, "hosts", None)
     comm = Communicator(t, timeout=timeout, check=check, node_size=node_size, hosts=hosts)
     from .algorithms import native

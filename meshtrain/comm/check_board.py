@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from .algorithms import native
 from .transport import shm_memory as mem
-from .transport.base import FingerprintMismatch, PeerTimeout
+from .transport.base import FingerprintMismatch, PeerTimeout, capabilities
 
 SLOTS = 64
 LATEST, WAITING, VERIFIED = 0, 8, 16  # int64 counters, a cache line apart
@@ -35,9 +35,12 @@ WORDS = SLOT_AT + 2 * SLOTS
 
 
 def usable(transport: Any, hosts: Sequence[str]) -> bool:
-    """True if a torch-transport group on ``hosts`` can check on a board: all on this host, with a
-    writable /dev/shm (``MESHTRAIN_CHECK_BOARD=0`` turns it off)."""
-    return (getattr(transport, "kind", "") == "torch" and len(hosts) > 1 and len(set(hosts)) == 1
+    """True if a group of a transport with torch's own collectives (the torch transport) on
+    ``hosts`` can check on a board: all on this host, with a writable /dev/shm
+    (``MESHTRAIN_CHECK_BOARD=0`` turns it off)."""
+    # native_collectives, not a name: the board exists so that torch's own op starts only once the
+    # members' calls match (``Ahead``), and such a transport's check otherwise goes through its store
+    return (capabilities(transport).native_collectives and len(hosts) > 1 and len(set(hosts)) == 1
             and os.environ.get("MESHTRAIN_CHECK_BOARD", "1") != "0" and os.access(mem.SHM_DIR, os.W_OK))
 
 

@@ -85,9 +85,12 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     from torch.distributed.constants import default_pg_timeout
 
     transport = os.environ.get("MESHTRAIN_TRANSPORT", "auto")
-    if transport not in ("torch", "shm", "auto"):
-        raise ValueError(f"MESHTRAIN_TRANSPORT={transport!r} names no transport: set it to torch, shm or auto "
-                         "(or unset it: auto)")
+    from .transport import registry
+
+    processes = registry.names(threads=False)
+    if transport not in (*processes, registry.AUTO):
+        raise ValueError(f"MESHTRAIN_TRANSPORT={transport!r} names no transport: set it to {', '.join(processes)} "
+                         "or auto (or unset it: auto)")
     seconds = _seconds(timeout, default_pg_timeout.total_seconds())
     if not tdist.is_initialized():
         tdist.init_process_group(backend=backend, init_method=init_method, timeout=timeout,

@@ -7,21 +7,29 @@ import time
 from typing import Any, Callable
 
 from .communicator import Communicator, bind_thread
-from .transport.local import LocalTransport, LocalWorld
+from .transport import registry
+from .transport.local import LocalWorld
 
 
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
-              check: bool = True, ranks_per_node: int | None = None, **kwargs: Any) -> list[Any]:
+              check: bool = True, ranks_per_node: int | None = None, transport: str = "local",
+              **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, *args, **kwargs)`` on ``world_size`` threads, each with its own communicator
     bound as the default for ``meshtrain.comm``'s functions; return the results in rank order.
 
     ``timeout`` bounds every collective (a missing rank fails with ``CollectiveTimeout``);
     ``ranks_per_node`` simulates hosts (ranks r and s share a node iff r // k == s // k), which the
     hierarchical algorithm uses. The first failure is re-raised with its rank in the message, after
-    the other ranks were woken with an error (no rank is left blocked).
+    the other ranks were woken with an error (no rank is left blocked). ``transport`` names a
+    registered transport whose ranks are threads (``transport/registry.py``; ``local`` by default).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    spec = registry.find(transport)
+    if spec is None or not spec.threads:
+        why = " (its ranks are processes: meshtrain.comm.init)" if spec is not None else ""
+        raise ValueError(f"run_local cannot run transport {transport!r}{why}: use one whose ranks are threads, "
+                         f"{', '.join(registry.names(threads=True))}")
     world = LocalWorld(world_size)
     k = ranks_per_node or world_size
     hosts = [f"node{r // k}" for r in range(world_size)]
@@ -31,7 +39,8 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     def worker(rank: int) -> None:
         comm = None
         try:
-            comm = Communicator(LocalTransport(world, rank), timeout=timeout, check=check, hosts=hosts)
+            t = spec.build(registry.Setup(rank, world_size, timeout, world=world))
+            comm = Communicator(t, timeout=timeout, check=check, hosts=hosts)
             bind_thread(comm)
             results[rank] = fn(rank, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller

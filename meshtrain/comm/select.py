@@ -5,7 +5,7 @@ A message of n bytes costs α + n·β; reducing n bytes costs n·γ. A rank's me
 costs CPU time, and these are host-driven. Each algorithm's time is a formula
 in α, β, γ, n and p; ``auto`` picks the cheapest. α, β and γ are fitted per group by a short
 ping-pong between group ranks 0 and 1 plus a timed local reduction, on the first ``auto`` call that
-needs them (never implicitly for ranks as threads: those use ``DEFAULTS["local"]``), and cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
+needs them (never implicitly for ranks as threads: those keep their registry entry's ``cost_model``), and cached on disk. Every member uses group rank 0's values, so all ranks always choose alike.
 On one host's shared memory the shm collectives are taken without pricing (see ``choose``).
 A communicator's ``preferred_algorithm`` (the training config's ``comm.algorithm``) is taken
 before either wherever it is valid for the op and group (``preferred``).
@@ -13,18 +13,21 @@ before either wherever it is valid for the op and group (``preferred``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from . import check_board
 from .algorithms import REGISTRY, algorithms_for, shm_direct
 from .algorithms.base import Ctx
+from .transport import registry
 from .transport.base import capabilities, on_shared_memory
 from .types import ReduceOp, combine_
 
@@ -90,11 +93,20 @@ class CostModel:
         return a * p + n * b
 
 
-DEFAULTS = {
-    "local": CostModel(30e-6, 1 / 3e9, 1 / 4e9),
-    "torch": CostModel(300e-6, 1 / 0.8e9, 1 / 4e9),
-    "shm": CostModel(10e-6, 1 / 5e9, 1 / 4e9),
-}
+@functools.lru_cache(maxsize=None)
+def _model(costs: tuple[float, float, float]) -> CostModel:
+    return CostModel(*costs)  # one object per entry: its groups share it, as they shared DEFAULTS' before
+
+
+def default_model(kind: str) -> CostModel:
+    """The model of transport ``kind`` before (or without) calibration: its registry entry's
+    ``cost_model``; a kind not registered is priced as a network link (``registry.LINK_COSTS``)."""
+    spec = registry.find(kind)
+    return _model(spec.cost_model if spec is not None else registry.LINK_COSTS)
+
+
+DEFAULTS: Mapping[str, CostModel] = registry.SpecView(lambda s: _model(s.cost_model))
+"""Each registered transport's model before calibration, by name (read-only: the registry's)."""
 
 
 def cache_path() -> Path:
@@ -191,7 +203,7 @@ def calibrate(group, force: bool = False) -> CostModel:
     fits = t.exchange(f"cal/{group.gid}/{seq}/fit", group.ranks,
                       json.dumps(asdict(fitted) if fitted else None), group.timeout)
     fit0 = json.loads(fits[0])
-    model = CostModel(**fit0) if fit0 else DEFAULTS.get(t.kind, DEFAULTS["torch"])
+    model = CostModel(**fit0) if fit0 else default_model(t.kind)
     if group.rank == 0 and fit0:
         _save_cached(key, model)
     group.cost_model = model
@@ -331,7 +343,7 @@ def _choose(group, op: str, nbytes: int, native_ok: bool) -> str:
             # collective that blocks a thread playing every rank in turn (the seed's operators),
             # and a ping-pong between threads measures the GIL rather than a link. The defaults
             # are the same on every rank; calibrate() still fits the model when asked.
-            group.cost_model = DEFAULTS["local"]
+            group.cost_model = default_model(t.kind)
         else:
             _implicit_calibration(group, op)
     nodes = len(set(group.hosts))

@@ -4,10 +4,11 @@ no processes (``validate``). ``schema.py`` holds the sections, ``loading.py`` re
 Each rule has one home: the values of ``ParallelConfig``'s own fields are checked by
 ``check_parallel_values`` (``parallel.py``, which ``ParallelConfig`` runs too), the model's shape
 by ``LlamaConfig``, tensor-parallel divisibility by ``check_tensor_parallel``, pipeline schedules
-by ``build_schedule``, algorithm names by ``meshtrain.comm``'s registry; ``validate`` runs them all
-and adds the rules that span sections. The schedules (a torch-free module of
-``meshtrain.parallel.pipeline``) are imported when ``validate`` runs, and ``meshtrain.comm`` only to
-check a pinned ``comm.algorithm``: loading the default config imports no torch.
+by ``build_schedule``, algorithm names by ``meshtrain.comm``'s dispatch table and transport names
+by its transport registry; ``validate`` runs them all and adds the rules that span sections. The
+schedules (a torch-free module of ``meshtrain.parallel.pipeline``) are imported when ``validate``
+runs, and ``meshtrain.comm`` only to check a pinned ``comm.algorithm`` or a ``comm.transport``
+other than "auto": loading the default config imports no torch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..errors import ConfigError
 from .model import PRESETS, LlamaConfig
 from .dims import check_degrees, degrees_of
 from .parallel import ParallelConfig, check_expert_parallel, check_parallel_values, check_tensor_parallel
-from .schema import BACKENDS, DEVICES, FROM_TRAIN, TRANSPORTS, Config, unknown
+from .schema import BACKENDS, DEVICES, FROM_TRAIN, Config, transports, unknown
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -72,10 +73,13 @@ TRAINING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_
 
 def transport_kinds(transport: str, backend: str) -> tuple[str, ...]:
     """The transport kinds ``comm.transport`` can give a run: ``auto`` is the torch group with
-    NCCL, else shm (between hosts too); with ``backend = auto`` that depends on the machine."""
+    NCCL, else shm (between hosts too); with ``backend = auto`` that depends on the machine
+    (the registry's ``auto_names``, which imports meshtrain.comm)."""
     if transport != "auto":
         return (transport,)
-    return {"gloo": ("shm",), "nccl": ("torch",)}.get(backend, ("shm", "torch"))
+    from ..comm.transport.registry import auto_names
+
+    return auto_names(backend)
 
 
 def training_algorithms(kinds: typing.Iterable[str]) -> list[str]:
@@ -98,9 +102,10 @@ def check_algorithm(algorithm: str, kinds: typing.Iterable[str], where: str) -> 
 
     if algorithm not in {name for _, name in TABLE}:
         raise unknown(algorithm, valid, "comm.algorithm")
-    needs = {"native": " ('native' needs the torch transport: comm.transport = 'torch', or 'auto' with nccl)",
-             "shm": " ('shm' needs the shm transport: comm.transport = 'shm', or 'auto' without nccl)"
-             }.get(algorithm, "")
+    from ..comm.transport.registry import specs
+
+    owner = next((s for s in specs() if algorithm in s.algorithms), None)  # the transport it runs on only
+    needs = f" ({algorithm!r} needs the {owner.name} transport: {owner.hint})" if owner is not None else ""
     raise ConfigError(f"comm.algorithm = {algorithm!r} runs none of the collectives training uses "
                       f"({', '.join(TRAINING_OPS)}) on {where}{needs}; use one of {', '.join(valid)}")
 
@@ -108,6 +113,10 @@ def check_algorithm(algorithm: str, kinds: typing.Iterable[str], where: str) -> 
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, choices: typing.Sequence[str]) -> None:
+    _need(value in choices, f"{key} = {value!r} is not one of {', '.join(choices)}")
 
 
 def validate(config: Config) -> None:
@@ -154,14 +163,16 @@ def validate(config: Config) -> None:
     _need(t.loss_scale_growth_interval >= 1, f"train.loss_scale_growth_interval = {t.loss_scale_growth_interval} "
           f"must be >= 1 (clean steps before the fp16 loss scale doubles); use e.g. "
           f"train.loss_scale_growth_interval = 2000")
-    for key, value, choices in (("train.device", t.device, DEVICES), ("comm.transport", c.transport, TRANSPORTS),
-                                ("comm.backend", c.backend, BACKENDS)):
-        _need(value in choices, f"{key} = {value!r} is not one of {', '.join(choices)}")
+    _one_of("train.device", t.device, DEVICES)
+    if c.transport != "auto":  # the registry's names import torch: the default "auto" never asks
+        _one_of("comm.transport", c.transport, transports())
+    _one_of("comm.backend", c.backend, BACKENDS)
     _need(not (c.backend == "nccl" and t.device == "cpu"), "comm.backend = 'nccl' needs train.device = 'cuda' "
           "(or 'auto' on a GPU machine); on CPU use comm.backend = 'gloo'")
     _need(c.timeout_s > 0 and c.init_timeout_s > 0, "comm.timeout_s and comm.init_timeout_s must be > 0")
-    check_algorithm(c.algorithm, transport_kinds(c.transport, c.backend), f"comm.transport = {c.transport!r}"
-                    + (f" with comm.backend = {c.backend!r}" if c.transport == "auto" else ""))
+    if c.algorithm != "auto":  # always valid; transport_kinds of "auto" would import meshtrain.comm
+        check_algorithm(c.algorithm, transport_kinds(c.transport, c.backend), f"comm.transport = {c.transport!r}"
+                        + (f" with comm.backend = {c.backend!r}" if c.transport == "auto" else ""))
     _need(d.vocab_size >= 257, f"data.vocab_size = {d.vocab_size} must be >= 257 (a byte-level BPE starts "
           f"from 256 byte tokens plus end-of-text)")
     _need(d.max_bytes >= 0 and d.tokenizer_sample_bytes > 0, "data.max_bytes must be >= 0 (0: no limit) and "

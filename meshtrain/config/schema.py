@@ -230,7 +230,8 @@ class CommSection:
 
     transport: str = "auto"
     """"auto" (shm within a host, the torch group between hosts, NCCL's on GPUs), "shm", "torch"
-    (the torch.distributed group) or "local" (ranks as threads of one process)."""
+    (the torch.distributed group), "local" (ranks as threads of one process) or another transport
+    registered with ``meshtrain.comm.transport.registry``."""
     backend: str = "auto"
     """torch.distributed backend: "gloo", "nccl" or "auto" (nccl on CUDA, else gloo)."""
     algorithm: str = "auto"
@@ -273,8 +274,23 @@ TOP_LEVEL = ("out",)
 """The keys outside any section."""
 DEVICES = ("auto", "cpu", "cuda")
 """The values of ``train.device``."""
-TRANSPORTS = ("auto", "local", "shm", "torch")
-"""The values of ``comm.transport``."""
+
+
+def transports() -> tuple[str, ...]:
+    """The values of ``comm.transport``: "auto" and every registered transport (``meshtrain.comm``'s
+    registry, so asking imports torch; the check of the default "auto" never asks)."""
+    from ..comm.transport import registry
+
+    return (registry.AUTO, *registry.names())
+
+
+def __getattr__(name: str) -> Any:
+    # TRANSPORTS, computed on access: a constant would fix the names before a transport registers
+    if name == "TRANSPORTS":
+        return transports()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 BACKENDS = ("auto", "gloo", "nccl")
 """The values of ``comm.backend``."""
 # train.precision's values are ParallelConfig's (PRECISIONS, imported above): one list, one check
@@ -305,6 +321,6 @@ def unknown(key: str, candidates: Iterable[str], what: str = "config key") -> Co
 
 __all__ = [
     "Config", "ModelSection", "ParallelSection", "TrainSection", "DataSection", "CheckpointSection",
-    "CommSection", "SECTIONS", "TOP_LEVEL", "FROM_TRAIN", "PRECISIONS", "DEVICES", "TRANSPORTS", "BACKENDS", "field_docs",
+    "CommSection", "SECTIONS", "TOP_LEVEL", "FROM_TRAIN", "PRECISIONS", "DEVICES", "transports", "BACKENDS", "field_docs",
     "hints", "all_keys", "unknown", "overrides_of",
 ]

@@ -1,7 +1,8 @@
 """Starting a run: ``meshtrain train`` resolves and validates the config, warms the data caches,
 then starts dp·pp·cp·tp local worker processes with torch.distributed's elastic launcher (or, with
-``comm.transport = "local"``, runs the ranks as threads in this process). Under ``torchrun`` the
-same workers run through ``python -m meshtrain.train`` with the environment torchrun provides.
+a ``comm.transport`` whose ranks are threads, such as ``"local"``, runs the ranks as threads in this
+process). Under ``torchrun`` the same workers run through ``python -m meshtrain.train`` with the
+environment torchrun provides.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from .. import comm, worker_processes
 from ..comm.launch import share_cores
+from ..comm.transport import registry
 from ..errors import CollectiveError, ConfigError, MeshtrainError
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
@@ -163,8 +165,9 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict
 
         device_peak(torch.device("cpu"))  # measure the CPU peak while the machine is still quiet
     n = world_size(config)
-    if config.comm.transport == "local":
-        return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s)[0]
+    if registry.runs_as_threads(config.comm.transport):
+        return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s,
+                              transport=config.comm.transport)[0]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # the workers fork from a server that imported torch once (worker_processes), not n new

@@ -148,19 +148,24 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
     assert select.choose(pair, "all_reduce", 1 << 20) == "native"
 
 
-def test_algorithms_follow_the_transport_capabilities(monkeypatch):
+def test_algorithms_follow_the_transport_capabilities():
     """algorithms_for asks the registry, not the transport's name: a new kind gets "native" and
     "shm" exactly when its Capabilities say so."""
     from meshtrain.comm.algorithms import algorithms_for
-    from meshtrain.comm.transport import base
+    from meshtrain.comm.transport import base, registry
 
-    monkeypatch.setitem(base.CAPABILITIES, "plain", base.Capabilities())
-    monkeypatch.setitem(base.CAPABILITIES, "both", base.Capabilities(native_collectives=True, shared_memory=True))
-    assert {"native", "shm"}.isdisjoint(algorithms_for("all_reduce", "plain"))
-    assert {"native", "shm"} <= set(algorithms_for("all_reduce", "both"))
-    assert "shm" not in algorithms_for("gather", "both")  # no shm collective for it
-    assert "shm" in algorithms_for("all_to_all", "both") and "shm" not in algorithms_for("all_to_all", "plain")
-    assert base.capabilities(type("T", (), {"kind": "unknown"})()) == base.Capabilities()
+    for name, caps in (("plain", base.Capabilities()),
+                       ("both", base.Capabilities(native_collectives=True, shared_memory=True))):
+        registry.register(registry.TransportSpec(name, build=lambda setup: None, capabilities=caps))  # type: ignore
+    try:
+        assert {"native", "shm"}.isdisjoint(algorithms_for("all_reduce", "plain"))
+        assert {"native", "shm"} <= set(algorithms_for("all_reduce", "both"))
+        assert "shm" not in algorithms_for("gather", "both")  # no shm collective for it
+        assert "shm" in algorithms_for("all_to_all", "both") and "shm" not in algorithms_for("all_to_all", "plain")
+        assert base.capabilities(type("T", (), {"kind": "unknown"})()) == base.Capabilities()
+    finally:
+        registry.unregister("plain")
+        registry.unregister("both")
 
 
 def test_peer_timeout_keeps_its_reason_through_pickle():

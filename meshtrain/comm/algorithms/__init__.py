@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from ..transport.base import CAPABILITIES, Capabilities
+from ..transport.registry import Capabilities, capabilities_of
 from .dispatch import REGISTRY, TABLE, Implementation
 
 __all__ = ["REGISTRY", "TABLE", "Implementation", "algorithms_for", "implementation"]
@@ -20,10 +20,10 @@ __all__ = ["REGISTRY", "TABLE", "Implementation", "algorithms_for", "implementat
 
 def algorithms_for(op: str, transport_kind: str) -> list[str]:
     """Algorithm names valid for ``op`` on a transport kind: the table's entries for ``op`` whose
-    needed capability the kind has ("native" needs torch's own collectives, "shm" shared memory)."""
+    needed capability the kind's registry entry has ("native" needs torch's own collectives, "shm" shared memory)."""
     if op not in REGISTRY:
         raise KeyError(op)
-    return list(_offered(op, CAPABILITIES.get(transport_kind, Capabilities())))
+    return list(_offered(op, capabilities_of(transport_kind)))
 
 
 @functools.lru_cache(maxsize=None)

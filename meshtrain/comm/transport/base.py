@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from ...errors import CollectiveTimeout
 from ..work import Work
+# The registry (and the Capabilities each entry declares) lives in registry.py; these names are
+# re-exported here, where callers have always imported them.
+from .registry import CAPABILITIES, Capabilities, capabilities  # noqa: F401
 
 
 class PeerTimeout(CollectiveTimeout):
@@ -46,35 +48,6 @@ class FingerprintMismatch(Exception):
     exchanges the full metadata to name the ranks and what each passed)."""
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What a transport offers beyond tagged point-to-point messages. The library asks these
-    instead of comparing transport names."""
-
-    native_collectives: bool = False
-    """It runs torch.distributed's own collectives (the algorithm "native")."""
-    shared_memory: bool = False
-    """Ranks on one host share buffers: the "shm" collectives and symmetric memory run there."""
-    cpu_only: bool = True
-    """It moves CPU tensors only (shared memory is host memory)."""
-    ranks_are_threads: bool = False
-    """Ranks are threads of one process (no implicit calibration: a ping-pong measures the GIL)."""
-
-
-# The registry: a transport kind's capabilities (known before any transport exists, which is
-# what config validation needs). A new transport registers its kind here.
-CAPABILITIES: dict[str, Capabilities] = {
-    "local": Capabilities(cpu_only=False, ranks_are_threads=True),
-    "shm": Capabilities(shared_memory=True),
-    "torch": Capabilities(native_collectives=True, cpu_only=False),
-}
-
-
-def capabilities(transport: Any) -> Capabilities:
-    """The capabilities of ``transport`` (an instance, or anything with its ``kind``)."""
-    return CAPABILITIES.get(getattr(transport, "kind", ""), Capabilities())
-
-
 def on_shared_memory(transport: Any, ranks: Sequence[int]) -> bool:
     """True if every rank of ``ranks`` is on this rank's host with shared buffers between them
     (the shm collectives, symmetric memory and the fused fingerprint check can run)."""
@@ -89,7 +62,7 @@ class Transport(abc.ABC):
     and barriers; on timeout it raises ``PeerTimeout`` naming exactly the ranks that never posted.
     """
 
-    kind: str = "abstract"
+    kind: str = "abstract"  # the name of its registry entry (registry.py)
     rank: int
     world_size: int
 

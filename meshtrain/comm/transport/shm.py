@@ -34,7 +34,8 @@ from .rendezvous import set_store_timeout, store_all_gather
 from .shm_area import ShmArea
 from .shm_mailbox import Mailbox, as_bytes
 from .shm_symmetric import SymmetricRegistry
-from .torchdist import host_identity
+from .registry import ANY_BACKEND, Capabilities, Setup, TransportSpec, register
+from .torchdist import TorchTransport, host_identity
 
 _instances = [0]  # transports created by this process: the rendezvous round
 _AT_RENDEZVOUS = " at the shm rendezvous"  # ends the PeerTimeout message of a late rank
@@ -302,3 +303,23 @@ class ShmTransport(Transport):
             self.mailbox.detach_all()
         if self.remote is not None:
             self.remote.close()
+
+
+def _build(setup: Setup) -> ShmTransport:
+    """Rendezvous through the store; with ``spans_hosts`` (``auto``) peers on other hosts are reached
+    through a gloo ``TorchTransport``."""
+    import torch.distributed as dist
+
+    remote = TorchTransport(setup.store) if setup.spans_hosts else None
+    return ShmTransport.connect(dist.PrefixStore("meshtrain", setup.store), setup.rank, setup.world_size,
+                                setup.timeout, remote=remote)
+
+
+SPEC = register(TransportSpec(
+    name=ShmTransport.kind, build=_build,
+    capabilities=Capabilities(shared_memory=True),
+    cost_model=(10e-6, 1 / 5e9, 1 / 4e9),
+    algorithms=("shm", "shm_symmetric"),  # shm_symmetric: the bench's shm all_reduce on symmetric memory
+    config_hint="comm.transport = 'shm', or 'auto' without nccl",
+    auto_backends=(ANY_BACKEND,),  # gloo (any backend but NCCL): shared memory in a host, gloo between
+))

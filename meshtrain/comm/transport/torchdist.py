@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ...errors import CollectiveError
 from ..work import Work
 from .base import PeerTimeout, Transport, p2p_timeout
+from .registry import Capabilities, Setup, TransportSpec, register
 from .rendezvous import set_store_timeout, store_all_gather
 
 _FOREVER = datetime.timedelta(days=365)
@@ -317,3 +318,18 @@ def _launch_env() -> tuple[int, int, str, int]:
             f"host's torchrun --local-addr ADDRESS (an address of that host the others can reach; 127.0.0.1 for "
             f"hosts simulated on one machine), or fix name resolution") from None
     return rank, world, host, port
+
+
+def _build(setup: Setup) -> TorchTransport:
+    """The transport of torch.distributed's default group (``init`` has initialised it)."""
+    return TorchTransport(setup.store)
+
+
+SPEC = register(TransportSpec(
+    name=TorchTransport.kind, build=_build,  # cost_model: the registry's LINK_COSTS
+    capabilities=Capabilities(native_collectives=True, cpu_only=False),
+    algorithms=("native",),
+    config_hint="comm.transport = 'torch', or 'auto' with nccl",
+    # NCCL's collectives run on the GPU; meshtrain's own over NCCL's send/recv only add launches
+    auto_backends=("nccl",),
+))
