@@ -16,8 +16,9 @@ from ..errors import ConfigError
 from .architectures import from_llama_config
 from .clusters import PRESETS, Cluster
 from .corun import stop as stop_profiling
+from .layout import Layout
 from .search import search
-from .step import Prediction
+from .step import Prediction, predict
 
 DEVICE_PRESETS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 """A CUDA device name's marker -> the cluster preset that prices it."""
@@ -30,21 +31,31 @@ LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "zero_stage": "
 the config has it)."""
 
 
-def cluster_for(device: str) -> Cluster:
-    """The cluster the run's device is priced on: ``this-host`` for the CPU, else the GPU's preset."""
+NO_CALIBRATION = ("no host calibration cached; run `meshtrain plan --cluster this-host ...` or `meshtrain bench "
+                  "plan` once on this host to cache it")
+"""Why a CPU run's check of the planner made no prediction."""
+
+
+def cluster_for(device: str, cached: bool = False) -> Cluster:
+    """The cluster the run's device is priced on: ``this-host`` for the CPU (with ``cached``, from
+    its cached calibration only: ConfigError if there is none), else the GPU's preset."""
     import torch
 
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        from .host import this_host
+        from .host import cached_this_host, this_host
 
-        return this_host()
+        if not cached:
+            return this_host()
+        host = cached_this_host()
+        if host is None:
+            raise ConfigError(NO_CALIBRATION)
+        return host
     name = torch.cuda.get_device_name(0)
     for marker, preset in DEVICE_PRESETS.items():
         if marker in name:
             return PRESETS[preset]
-    raise ConfigError(f"parallel.auto = true: no cluster preset prices a {name!r} (known: "
-                      f"{', '.join(DEVICE_PRESETS)}); set the layout yourself (meshtrain plan --cluster FILE.toml "
-                      f"--search suggests one) and parallel.auto = false")
+    raise ConfigError(f"no cluster preset prices a {name!r} (known: {', '.join(DEVICE_PRESETS)}); describe it in a "
+                      f"cluster TOML for meshtrain plan --cluster FILE.toml")
 
 
 def _fields(parallel: Any) -> dict[str, str]:
@@ -64,7 +75,12 @@ def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, 
 
     p, t = config.parallel, config.train
     world = p.dp * p.tp * p.pp * p.cp
-    cluster = cluster if cluster is not None else cluster_for(t.device)
+    if cluster is None:
+        try:
+            cluster = cluster_for(t.device)
+        except ConfigError as e:
+            raise ConfigError(f"parallel.auto = true: {e}; set the layout yourself (meshtrain plan --cluster "
+                              f"FILE.toml --search suggests one) and parallel.auto = false") from None
     arch = from_llama_config(config.model.preset, model_config(config, vocab_size))
     # fp16 is priced as bf16: the same 2-byte activations and tensor-core peak (the planner has no fp16)
     fixed = {"precision": "bf16" if t.precision == "fp16" else t.precision, "compile": t.compile,
@@ -92,6 +108,26 @@ def choose_layout(config: Any, vocab_size: int, cluster: Cluster | None = None, 
     raise ConfigError(f"parallel.auto = true: none of the {len(ranked)} layouts the plan ranks for {world} ranks "
                       f"passes meshtrain train's checks (first: {reasons[0] if reasons else '-'}); set the layout "
                       f"yourself and parallel.auto = false")
+
+
+def layout_of(config: Any) -> Layout:
+    """The planner's ``Layout`` of a training config: its ``[parallel]`` settings (``LAYOUT_FIELDS``),
+    precision (fp16 priced as bf16), compile and offload; uneven pipeline splits allowed, since
+    meshtrain train runs them."""
+    p, t = config.parallel, config.train
+    values = {("sequence_parallel" if attr == "sp" else attr): getattr(p, key) for key, attr in _fields(p).items()}
+    return Layout(**values, precision="bf16" if t.precision == "fp16" else t.precision, compile=t.compile,
+                  offload=getattr(p, "offload", "none"), uneven=True)
+
+
+def predict_run(config: Any, model_cfg: Any, device: str) -> tuple[Prediction, Cluster]:
+    """The planner's prediction of a training run's step on its own layout, model (``model_cfg``, a
+    ``LlamaConfig``) and device, and the cluster it priced it on; nothing is measured (a CPU host's
+    cached calibration, ConfigError without one). ConfigError too where the planner cannot price it."""
+    t = config.train
+    cluster = cluster_for(device, cached=True)
+    arch = from_llama_config(config.model.preset, model_cfg)
+    return predict(arch, cluster, layout_of(config), t.global_batch, t.seq_len), cluster
 
 
 def describe(pred: Prediction) -> str:

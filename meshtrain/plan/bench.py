@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from ..train.metrics import step_summary
 from .architectures import resolve_model
 from .clusters import Cluster
 from .corun import stop as stop_profiling
@@ -70,11 +70,7 @@ def measure(model: str, layout_text: str, steps: int, global_batch: int, seq: in
     if proc.returncode != 0:
         raise RuntimeError(f"meshtrain train failed ({proc.returncode}): {proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = records[2:] or records[-1:]  # the first steps warm up allocators and caches
-    return {"step_s": statistics.median(r["step_s"] for r in timed),
-            # the fastest step: what the machine does when nothing else runs (the cores are shared)
-            "best_step_s": min(r["step_s"] for r in timed),
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+    return step_summary(records)
 
 
 def compare(model: str, layout_text: str, cluster: Cluster, steps: int, global_batch: int, seq: int,

@@ -10,6 +10,7 @@ busbw = algbw * 2(p-1)/p), so a ring all-reduce of n bytes costs n * 2(p-1)/p / 
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
@@ -178,35 +179,174 @@ def known_clusters() -> list[str]:
     return sorted(PRESETS) + ["this-host"]
 
 
-def _level(raw: dict, where: str) -> Level:
-    try:
-        return Level(float(raw["latency"]), float(raw["bandwidth"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: needs numeric latency (s) and bandwidth (bytes/s): {e}") from e
+@dataclass(frozen=True)
+class _Rule:
+    """What one Cluster field accepts: its type, its range, and an example for the message."""
+
+    kind: type
+    above: float | None = None
+    """Exclusive lower bound."""
+    least: float | None = None
+    """Inclusive lower bound."""
+    most: float | None = None
+    """Inclusive upper bound."""
+    example: str = ""
+    choices: tuple[str, ...] = ()
+
+    def problem(self, value: object) -> str | None:
+        """Why ``value`` is not accepted (None if it is)."""
+        if self.kind is bool or self.kind is str:
+            if type(value) is not self.kind:
+                return "must be " + ("true or false" if self.kind is bool else "a string")
+            return f"must be one of {', '.join(self.choices)}" if self.choices and value not in self.choices \
+                else None
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if self.kind is int and not whole:
+            return "must be a whole number"
+        if not whole and not isinstance(value, float):
+            return "must be a number"
+        if not math.isfinite(value):  # type: ignore[arg-type]
+            return "must be finite"
+        if self.above is not None and not value > self.above:  # type: ignore[operator]
+            return f"must be > {self.above:g}"
+        if self.least is not None and not value >= self.least:  # type: ignore[operator]
+            return f"must be >= {self.least:g}"
+        if self.most is not None and not value <= self.most:  # type: ignore[operator]
+            return f"must be <= {self.most:g}"
+        return None
+
+
+_SHARE = {"above": 0.0, "most": 1.0}
+RULES: dict[str, _Rule] = {
+    "name": _Rule(str, example='"my-cluster"'),
+    "gpus_per_node": _Rule(int, least=1, example="8"),
+    "memory_bytes": _Rule(float, above=0, example="85899345920 (80 GiB)"),
+    "peak_flops": _Rule(float, above=0, example="989e12 (FLOP/s, dense bf16)"),
+    "fp32_flops": _Rule(float, above=0, example="67e12"),
+    "hbm_bandwidth": _Rule(float, above=0, example="3.35e12 (bytes/s)"),
+    "matmul_efficiency": _Rule(float, **_SHARE, example="0.7 (a fraction of peak_flops)"),
+    "attention_efficiency": _Rule(float, **_SHARE, example="0.5"),
+    "hbm_efficiency": _Rule(float, **_SHARE, example="0.7"),
+    "fp8_speedup": _Rule(float, least=1, example="1.6 (1.0: no fp8)"),
+    "gemm_k0": _Rule(float, least=0, example="720 (0: not modelled)"),
+    "eager_elementwise_passes": _Rule(float, least=1, example="3.0"),
+    "reserved_bytes": _Rule(float, least=0, example="2147483648 (2 GiB)"),
+    "backend": _Rule(str, choices=("nccl", "host"), example='"nccl"'),
+    "memory_shared": _Rule(bool, example="false"),
+    "cores": _Rule(int, least=0, example="0 (GPUs)"),
+    "reduce_gamma": _Rule(float, least=0, example="0.0"),
+    "profile_compute": _Rule(bool, example="false"),
+    "base_memory_bytes": _Rule(float, least=0, example="0.0"),
+    "pcie_bandwidth": _Rule(float, least=0, example="50e9 (0: unknown)"),
+    "host_adam_rate": _Rule(float, least=0, example="1.5e10 (0: unknown)"),
+    "host_memory_bytes": _Rule(float, least=0, example="2e12 (0: not checked)"),
+    "notes": _Rule(str, example='""'),
+}
+"""Every scalar Cluster field's type and range (``intra`` and ``inter`` are ``LEVEL_RULES`` tables)."""
+LEVEL_RULES = {"latency": _Rule(float, least=0, example="2e-05 (seconds per message)"),
+               "bandwidth": _Rule(float, above=0, example="45e9 (bytes/s per GPU, nccl-tests busbw)")}
+
+
+def _level(raw: object, where: str) -> Level:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a table with latency (s) and bandwidth (bytes/s), got {raw!r}; "
+                          f"write e.g. [inter] latency = 2e-05 bandwidth = 45e9 on their own lines")
+    unknown = sorted(set(raw) - set(LEVEL_RULES))
+    missing = sorted(set(LEVEL_RULES) - set(raw))
+    if unknown or missing:
+        raise ConfigError(f"{where}: {'unknown keys ' + str(unknown) if unknown else 'missing ' + str(missing)}; "
+                          f"a link level has exactly latency (s) and bandwidth (bytes/s)")
+    for key, rule in LEVEL_RULES.items():
+        why = rule.problem(raw[key])
+        if why:
+            raise ConfigError(f"{where} {key} = {raw[key]!r} {why}; use e.g. {key} = {rule.example}")
+    return Level(float(raw["latency"]), float(raw["bandwidth"]))
+
+
+def check_cluster(cluster: Cluster, where: str) -> None:
+    """Raise ConfigError naming the field, its value and the fix unless every field of ``cluster`` has
+    its type and range (``RULES``) and the memory left after ``reserved_bytes`` is positive."""
+    for f in fields(Cluster):
+        value = getattr(cluster, f.name)
+        if f.name in ("intra", "inter"):
+            if not isinstance(value, Level):
+                raise ConfigError(f"{where} [{f.name}]: must be a table with latency and bandwidth")
+            _level({"latency": value.latency, "bandwidth": value.bandwidth}, f"{where} [{f.name}]")
+            continue
+        why = RULES[f.name].problem(value)
+        if why:
+            raise ConfigError(f"{where}: {f.name} = {value!r} {why}; use e.g. {f.name} = {RULES[f.name].example}")
+    if cluster.reserved_bytes >= cluster.memory_bytes:
+        raise ConfigError(f"{where}: reserved_bytes = {cluster.reserved_bytes:g} leaves nothing of memory_bytes = "
+                          f"{cluster.memory_bytes:g} for tensors; reserved_bytes is what the CUDA context and "
+                          f"allocator keep (about 2 GiB): use a smaller one")
 
 
 def load_toml(path: Path) -> Cluster:
     """A cluster from a TOML file: top-level Cluster fields, ``[intra]`` and ``[inter]`` tables with
-    ``latency`` and ``bandwidth``; an optional ``base = "h100"`` fills the fields not given."""
+    ``latency`` and ``bandwidth``; an optional ``base = "h100"`` (a preset) fills the fields not given.
+    Every field is checked (``check_cluster``): ConfigError names the field, the value and the fix."""
+    where = f"--cluster {path}"
     try:
         raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"--cluster {path}: cannot read TOML ({e})") from e
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read TOML ({e}); give a readable TOML file or a preset "
+                          f"({', '.join(known_clusters())})") from e
     base_name = raw.pop("base", None)
     allowed = {f.name for f in fields(Cluster)}
     unknown = sorted(set(raw) - allowed)
     if unknown:
-        raise ConfigError(f"--cluster {path}: unknown keys {unknown}; use {sorted(allowed)}")
+        raise ConfigError(f"{where}: unknown keys {unknown}; use {sorted(allowed)}")
     for lvl in ("intra", "inter"):
         if lvl in raw:
-            raw[lvl] = _level(raw[lvl], f"--cluster {path} [{lvl}]")
+            raw[lvl] = _level(raw[lvl], f"{where} [{lvl}]")
+    if raw.get("profile_compute") is True:
+        raise ConfigError(f"{where}: profile_compute = true times blocks on this machine, which only "
+                          f"--cluster this-host prices; remove it")
     raw.setdefault("name", path.stem)
     if base_name is not None:
-        return replace(resolve_cluster(base_name), **raw)
-    missing = sorted(f.name for f in fields(Cluster) if f.name not in raw and f.default is MISSING)
-    if missing:
-        raise ConfigError(f"--cluster {path}: missing {missing} (or set base = \"h100\" to start from a preset)")
-    return Cluster(**raw)
+        if not isinstance(base_name, str) or base_name not in known_clusters():
+            raise ConfigError(f"{where}: base = {base_name!r} is not a preset; use one of "
+                              f"{', '.join(known_clusters())}")
+        cluster = replace(resolve_cluster(base_name), **raw)
+    else:
+        missing = sorted(f.name for f in fields(Cluster) if f.name not in raw and f.default is MISSING)
+        if missing:
+            raise ConfigError(f"{where}: missing {missing} (or set base = \"h100\" to start from a preset)")
+        cluster = Cluster(**raw)
+    check_cluster(cluster, where)
+    return cluster
+
+
+def check_whole_nodes(cluster: Cluster, gpus: int, allow_partial: bool = False) -> str | None:
+    """Refuse ``gpus`` that is more than one node but not a whole number of nodes: launchers start the
+    same number of ranks on every node (torchrun --nproc-per-node), and the planner's pricing packs
+    ranks into full nodes. With ``allow_partial`` return a warning line instead (None when whole)."""
+    per = cluster.gpus_per_node
+    if cluster.memory_shared or gpus <= per or gpus % per == 0:
+        return None
+    lo, hi = gpus // per * per, -(-gpus // per) * per
+    if not allow_partial:
+        raise ConfigError(f"--gpus {gpus} is {gpus / per:g} nodes of {per} GPUs ({cluster.name}): a launcher starts "
+                          f"the same number of ranks on every node; use --gpus {lo} or {hi} (whole nodes), a "
+                          f"cluster TOML with base = \"{cluster.name}\" and the gpus_per_node your nodes run, or "
+                          f"--allow-partial-node to price {gpus} ranks packed onto {hi // per} nodes anyway")
+    return (f"warning: --gpus {gpus} leaves the last of {hi // per} nodes with {gpus - lo} of its {per} GPUs "
+            f"(--allow-partial-node): priced as packed, which no uniform launcher starts")
+
+
+def tp_warning(cluster: Cluster, tp: int) -> str | None:
+    """A warning line if tensor-parallel groups of ``tp`` ranks cross nodes (legal, but each block's
+    collectives then run on the inter-node links, ``inter`` instead of ``intra``); None otherwise."""
+    per = cluster.gpus_per_node
+    if tp <= 1 or per % tp == 0:
+        return None
+    if tp > per:
+        return (f"warning: tp={tp} spans {-(-tp // per)} nodes of {per} GPUs: its per-block collectives run at "
+                f"the inter-node {cluster.inter.bandwidth / 1e9:g} GB/s, not {cluster.intra.bandwidth / 1e9:g} "
+                f"GB/s (priced so); tp <= {per} keeps them inside a node")
+    return (f"warning: tp={tp} does not divide the {per} GPUs of a node, so some tp groups straddle two nodes; "
+            f"the planner prices them as inside one (optimistic); use a tp that divides {per}")
 
 
 def resolve_cluster(spec: str) -> Cluster:

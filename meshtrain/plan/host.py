@@ -155,3 +155,18 @@ def this_host(peak: float | None = None, bandwidth: float | None = None, base_me
                    eager_elementwise_passes=3.0, reserved_bytes=1 * GiB, backend="host",
                    memory_shared=True, profile_compute=True, cores=os.cpu_count() or 1, reduce_gamma=model.gamma,
                    base_memory_bytes=base, notes=f"this host, cost model {model.source}")
+
+
+def cached_this_host() -> Cluster | None:
+    """``this_host`` from the figures a calibration cached (the matmul peak, the element-wise
+    bandwidth, the runtime memory; the comm cost model or its default), measuring nothing: None if
+    one is missing. Blocks are priced by the roofline (``profile_compute`` off), since profiling
+    them is a measurement of its own (seconds). For a training run's check of the planner, which
+    must not hold the run up."""
+    from ..train.metrics import cached_cpu_peak
+
+    key = _key()
+    peak, rate, base = cached_cpu_peak(), _cached("host_bandwidth.json", key), _cached("runtime_memory.json", key)
+    if not (peak and rate and base):
+        return None
+    return replace(this_host(peak=peak, bandwidth=rate, base_memory=base), profile_compute=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config.parallel import OFFLOAD_MODES, check_offload
+from ..config.parallel import OFFLOAD_MODES, check_expert_parallel, check_offload
 from ..errors import ConfigError
 from ..parallel.pipeline.schedule import SCHEDULES
 from .architectures import Arch
@@ -62,6 +62,10 @@ class Layout:
     offload: str = "none"
     """ZeRO CPU offload (``parallel.offload``): "optimizer" keeps the fp32 masters and AdamW state in
     host memory and steps on the CPUs; "params" (ZeRO-3) also ZeRO-3's parameter shards."""
+    uneven: bool = False
+    """Pipeline stages may hold different numbers of layers (n_layers not divisible by pp x v), as
+    torchtitan and meshtrain train split them; Megatron refuses such a split, and so does the planner
+    unless this is set. The busiest pipeline rank is priced with ceil(n_layers / pp) layers."""
 
     @property
     def dp_shard(self) -> int:
@@ -111,6 +115,8 @@ class Layout:
             parts += [f"m={self.microbatches}", self.schedule] + ([f"v={self.virtual}"] if self.virtual > 1 else [])
         elif self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
+        if self.uneven and self.pp * self.virtual > 1:
+            parts.append("uneven=1")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         if self.ep_overlap and self.ep > 1:
@@ -130,25 +136,34 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel", "rep": "dp_replicate",
          "dp_replicate": "dp_replicate", "opg": "overlap_param_gather",
          "overlap_param_gather": "overlap_param_gather", "ep": "ep", "epo": "ep_overlap", "ep_overlap": "ep_overlap",
-         "order": "rank_order", "rank_order": "rank_order", "offload": "offload"}
+         "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven"}
+_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven")
+"""Layout fields written 1 or 0 (true/false, on/off)."""
+
+MAX_GPUS = 1 << 20
+"""The most GPUs the planner prices (the largest published runs use about 10^5): beyond it --search's
+enumeration would run for minutes, and such a number is a typo."""
+MAX_BATCH = MAX_SEQ = 1 << 24
+"""The largest --global-batch (sequences) and --seq (tokens) the planner prices, for the same reason."""
 
 
 def parse_layout(text: str, **defaults) -> Layout:
     """``"dp=32,tp=8"`` (unnamed degrees are 1; a bare schedule name sets the schedule) -> Layout,
     with ``defaults`` (Layout fields) for what the text does not set."""
     values: dict = dict(defaults)
+    given: dict[str, str] = {}  # field -> the part of the text that set it
     for part in filter(None, (p.strip() for p in text.split(","))):
-        if part in SCHEDULES:
-            values["schedule"] = part
-            continue
-        key, sep, raw = part.partition("=")
+        key, sep, raw = ("schedule", "=", part) if part in SCHEDULES else part.partition("=")
         if not sep or key not in _KEYS:
             raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write key=value with keys "
                               f"{', '.join(sorted(set(_KEYS)))}, e.g. dp=32,tp=8")
         field = _KEYS[key]
+        if field in given:  # the last would silently win: say which one the user meant
+            raise ConfigError(f"--layout {text!r}: {given[field]!r} and {part!r} both set {field}; keep one")
+        given[field] = part
         if field in ("ac", "schedule", "precision", "rank_order", "offload"):
             values[field] = raw
-        elif field in ("sequence_parallel", "overlap_param_gather", "ep_overlap"):
+        elif field in _FLAGS:
             flag = raw.lower()
             if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                 raise ConfigError(f"--layout {text!r}: {key} takes 1 or 0 (true/false, on/off), got {raw!r}")
@@ -206,12 +221,39 @@ def _nearest_dp(layout: Layout, gpus: int) -> str:
     return replace(layout, dp=gpus, tp=1, pp=1, cp=1).label()
 
 
-def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int) -> None:
-    """Raise ConfigError if ``layout`` cannot run ``arch`` on ``gpus`` with this batch; the message
-    names the nearest valid choice."""
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sizes(gpus: object, global_batch: object, seq: object) -> None:
+    """Raise ConfigError naming the flag, its value and the fix unless --gpus, --global-batch and --seq
+    are whole numbers from 1 to the planner's limits (every prediction and search checks them first)."""
+    for flag, value, most, example in (("--gpus", gpus, MAX_GPUS, "--gpus 8 for one 8-GPU node"),
+                                       ("--global-batch", global_batch, MAX_BATCH, "--global-batch 256"),
+                                       ("--seq", seq, MAX_SEQ, "--seq 4096")):
+        if not _whole(value) or not 1 <= value <= most:  # type: ignore[operator]
+            raise ConfigError(f"{flag} {value!r}: must be a whole number from 1 to {most:,}; use e.g. {example}")
+
+
+def check_degrees(layout: Layout) -> None:
+    """Raise ConfigError unless every degree and count of ``layout`` is a whole number >= 1."""
     for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual", "dp_replicate"):
-        if getattr(layout, name) < 1:
-            raise ConfigError(f"layout {name}={getattr(layout, name)} must be >= 1")
+        if not _whole(getattr(layout, name)) or getattr(layout, name) < 1:
+            raise ConfigError(f"layout {name}={getattr(layout, name)!r} must be a whole number >= 1 (1 turns the "
+                              f"dimension off)")
+
+
+def stage_counts(arch: Arch) -> list[int]:
+    """The pipeline stage counts (pp x v) that split ``arch``'s layers evenly, up to 64."""
+    return [s for s in range(1, min(arch.n_layers, 64) + 1) if arch.n_layers % s == 0]
+
+
+def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int) -> None:
+    """Raise ConfigError if ``layout`` cannot run ``arch`` on ``gpus`` with this batch, or is one that
+    meshtrain train (or, for uneven pipeline splits, Megatron) refuses; the message names the nearest
+    valid choice. The one home of the layout rules: ``--layout`` and ``--search`` both come here."""
+    check_sizes(gpus, global_batch, seq)
+    check_degrees(layout)
     if layout.dp % layout.dp_replicate:
         ok = [r for r in range(1, layout.dp + 1) if layout.dp % r == 0]
         raise ConfigError(f"rep={layout.dp_replicate} does not divide dp={layout.dp}; use one of {ok}")
@@ -240,8 +282,24 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
                           f"{arch.n_layers}")
     if layout.virtual > 1 and layout.schedule != "interleaved":
         raise ConfigError(f"v={layout.virtual} needs the interleaved schedule (or v=1)")
-    if seq % layout.cp:
-        raise ConfigError(f"cp={layout.cp} does not divide --seq {seq}; use a cp that divides it")
+    stages = layout.pp * layout.virtual
+    if stages > 1 and arch.n_layers % stages and not layout.uneven:
+        raise ConfigError(f"pp*v = {stages} stages do not split {arch.n_layers} layers evenly, which Megatron "
+                          f"refuses; use pp*v in {stage_counts(arch)}, or add uneven=1 to the layout to price "
+                          f"torchtitan's / meshtrain train's uneven split (busiest pipeline rank: "
+                          f"{-(-arch.n_layers // layout.pp)} layers)")
+    if stages > 1 and arch.tie_embeddings:
+        raise ConfigError(f"pp*v = {stages}: {arch.name} ties its embedding to the output head, which meshtrain "
+                          f"train keeps on one stage; use pp=1 (or a model with tie_embeddings false)")
+    if layout.cp > 1 and seq % (2 * layout.cp):  # load-balanced causal ring attention: 2 chunks per rank
+        raise ConfigError(f"cp={layout.cp} needs --seq divisible by 2 x cp = {2 * layout.cp} (each cp rank takes "
+                          f"two chunks), got --seq {seq}; use --seq {-(-seq // (2 * layout.cp)) * 2 * layout.cp} "
+                          f"or a smaller cp")
+    if layout.sp and seq % (layout.cp * layout.tp):
+        raise ConfigError(f"tp={layout.tp} with sequence parallelism splits each cp rank's sequence over tp: --seq "
+                          f"{seq} is not divisible by cp x tp = {layout.cp * layout.tp}; use --seq "
+                          f"{-(-seq // (layout.cp * layout.tp)) * layout.cp * layout.tp} or sp=0")
+    check_expert_parallel(arch, 1, layout.tp, seq // layout.cp)  # type: ignore[arg-type]  # MoE routes seq/tp
     per_dp = global_batch // layout.dp if global_batch % layout.dp == 0 else 0
     if not per_dp or per_dp % layout.microbatches:
         raise ConfigError(f"--global-batch {global_batch} is not a multiple of dp*m = "

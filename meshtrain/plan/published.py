@@ -86,13 +86,16 @@ RUNS: tuple[PublishedRun, ...] = (
                  "dp=32,tp=8,zero=3,ac=full,precision=fp8", 512, 8192, "tokens_per_s_per_gpu", 829, TORCHTITAN,
                  compile=True, memory_gib=71.9),
     PublishedRun("torchtitan 405B FSDP8 x TP8 x PP8 1F1B, 512 GPUs (Table 5)", "llama3-405b", "h100-gt500", 512,
-                 "dp=8,tp=8,pp=8,m=8,1f1b,zero=3,ac=full,precision=fp8", 256, 8192, "tokens_per_s_per_gpu", 100,
+                 "dp=8,tp=8,pp=8,m=8,1f1b,uneven=1,zero=3,ac=full,precision=fp8", 256, 8192, "tokens_per_s_per_gpu",
+                 100,
                  TORCHTITAN, compile=True, memory_gib=82.5,
-                 assumed="m = number of stages (torchtitan's default then); async TP not modelled"),
+                 assumed="m = number of stages (torchtitan's default then); 126 layers on 8 stages: torchtitan's "
+                         "uneven split (uneven=1); async TP not modelled"),
     PublishedRun("torchtitan 405B FSDP8 x TP8 x PP8 interleaved, 512 GPUs (Table 5)", "llama3-405b", "h100-gt500",
-                 512, "dp=8,tp=8,pp=8,m=16,v=2,interleaved,zero=3,ac=full,precision=fp8", 256, 8192,
+                 512, "dp=8,tp=8,pp=8,m=16,v=2,interleaved,uneven=1,zero=3,ac=full,precision=fp8", 256, 8192,
                  "tokens_per_s_per_gpu", 128, TORCHTITAN, compile=True, memory_gib=72.7,
-                 assumed="v=2, m = number of stages (16); async TP not modelled"),
+                 assumed="v=2, m = number of stages (16); 126 layers on 16 stages: torchtitan's uneven split "
+                         "(uneven=1); async TP not modelled"),
     PublishedRun("Megatron GPT-3 177B, 96 H100 (strong scaling)", "gpt-175b", "h100", 96,
                  "dp=2,tp=8,pp=6,m=576,v=2,interleaved,zero=1,opg=1,ac=none,precision=bf16", 1152, 4096, "mfu", 0.47,
                  MEGATRON, compile=True, assumed=MEGATRON_ASSUMED),
@@ -111,7 +114,8 @@ RUNS: tuple[PublishedRun, ...] = (
                          "padded to capacity (apply_moe_token_drop), which under balanced routing computes and sends "
                          "what dropless does; alltoall dispatcher; " + MOE_COMMON),
     PublishedRun("Megatron-Bridge DeepSeek-V3, 1024 H100 (25.09, dropless)", "deepseek-v3", "h100", 1024,
-                 "dp=64,tp=2,pp=8,m=128,v=4,interleaved,ep=64,epo=1,zero=1,opg=1,ac=op,precision=fp8,order=megatron",
+                 "dp=64,tp=2,pp=8,m=128,v=4,interleaved,uneven=1,ep=64,epo=1,zero=1,opg=1,ac=op,precision=fp8,"
+                 "order=megatron",
                  8192, 4096, "tokens_per_s_per_gpu", 1297, MEGATRON_BRIDGE, compile=True, tolerance=0.25,
                  memory_comparable=False,
                  assumed="TP2 PP8 VP4 EP64 (ETP1) CP1, MBS 1, GBS 8192, GA 128, seq 4096 from the table and the yaml; "
@@ -147,7 +151,8 @@ def check(run: PublishedRun, with_search: bool = True) -> dict:
         best = search(arch, cluster, run.gpus, run.global_batch, run.seq,
                       fixed={"precision": layout.precision, "compile": run.compile,
                              "overlap_param_gather": layout.overlap_param_gather,
-                             "ep_overlap": layout.ep_overlap, "rank_order": layout.rank_order}, top=1)[0]
+                             "ep_overlap": layout.ep_overlap, "rank_order": layout.rank_order,
+                             "uneven": layout.uneven}, top=1)[0]
         row.update(search_layout=best.layout.label(), search_value=metric_of(best, run.metric),
                    search_fits=best.fits, search_at_least_published=best.step_time <= pred.step_time * (1 + 1e-9))
     return row

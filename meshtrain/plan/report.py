@@ -3,13 +3,29 @@ time broken into compute, exposed communication per dimension and bubble."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
+from ..errors import ConfigError
 from .step import Prediction
 
+CHART_FORMATS = (".png", ".svg", ".pdf")
+"""What ``--chart`` writes (matplotlib picks the format by the suffix)."""
 PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble", "optimizer", "pcie", "sync")
 GiB = 2**30
+
+
+def header(preds: list[Prediction], context: dict) -> str:
+    """One comment line above the table: what was asked, and the memory rule "fits" applies (the
+    margin, and the bytes a rank's peak may reach)."""
+    cap = preds[0].capacity / GiB if preds else float("nan")
+    m = context["memory_margin"]
+    what = "--search: the fastest layouts that fit" if context.get("search") else "--layout: fastest first"
+    return (f"# {what}; {context['model']} on {context['gpus']} x {context['cluster']}, global batch "
+            f"{context['global_batch']} x seq {context['seq']}; fits: peak <= {1 - m:.0%} of the {cap:.1f} GiB a "
+            f"rank may use = {cap * (1 - m):.1f} GiB (--memory-margin {m:g})")
 
 
 def table(preds: list[Prediction]) -> str:
@@ -54,7 +70,16 @@ def chart(preds: list[Prediction], path: Path, title: str = "") -> Path:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, not over them
     ax.tick_params(axis="y", labelsize="x-small")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    # a temporary file renamed into place: a failed write leaves no partial chart
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConfigError(f"--chart {path}: cannot write it ({e}); give a writable path") from e
+    finally:
+        plt.close(fig)
     return path

@@ -9,22 +9,28 @@ checkpointing is the least recomputation that fits (none, selective, full: each 
 more compute; torchtitan's "op" only when asked), unless the caller fixed it. Settings the caller
 fixes (precision, ac, zero stage, schedule, ep, CPU offload) are kept; with offload, only the ZeRO
 stages it runs on (1-3, or 3 for "params"), even on one rank.
+
+Every candidate goes through ``layout.validate``, the rules a ``--layout`` gets (what meshtrain train
+refuses, and pipeline splits Megatron refuses unless ``uneven`` is fixed): those it refuses are left
+out. A layout fits if its predicted peak is at most (1 - ``memory_margin``) of a rank's memory.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
 from ..errors import ConfigError
 from .architectures import Arch
 from .clusters import Cluster
-from .layout import AC_MODES, Layout, ep_choices, tp_splits
-from .step import Prediction, predict
+from .layout import AC_MODES, Layout, check_sizes, ep_choices, tp_splits
+from .step import DEFAULT_MEMORY_MARGIN, Prediction, check_memory_margin, predict
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _microbatch_choices(local: int, pp: int, interleaved: bool) -> list[int]:
@@ -80,21 +86,35 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                                         yield replace(layout, ep=ep)
 
 
+def check_top(top: object) -> None:
+    """ConfigError naming ``--top`` unless it is a whole number >= 1."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ConfigError(f"--top {top!r}: must be a whole number >= 1 (layouts to show); use e.g. --top 10")
+
+
 def search(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int, fixed: dict | None = None,
-           top: int = 10) -> list[Prediction]:
-    """The ``top`` fastest layouts that fit, fastest first; ConfigError (with the smallest peak
-    memory seen and the GPUs that would need) if none fits."""
+           top: int = 10, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> list[Prediction]:
+    """The ``top`` fastest layouts that fit with ``memory_margin`` of each rank's memory left free,
+    fastest first. Candidates that ``layout.validate`` refuses (the rules ``--layout`` gets: what
+    meshtrain train and Megatron refuse) are left out. ConfigError (with the smallest peak memory
+    seen and the GPUs that would need) if none fits."""
+    check_sizes(gpus, global_batch, seq)
+    memory_margin = check_memory_margin(memory_margin)
+    check_top(top)
     fixed = dict(fixed or {})
     # "op" is torchtitan's selective op checkpointing, which meshtrain train does not offer: only
     # priced when asked for (to compare with torchtitan's runs)
     acs = [fixed["ac"]] if "ac" in fixed else [a for a in AC_MODES if a != "op"]
     found: list[Prediction] = []
     smallest: Prediction | None = None
+    refused: str | None = None  # the first candidate's reason, should none be priced
     for layout in candidates(arch, cluster, gpus, global_batch, seq, fixed):
         for ac in acs:
             try:
-                pred = predict(arch, cluster, replace(layout, ac=ac), global_batch, seq)
-            except ConfigError:
+                pred = replace(predict(arch, cluster, replace(layout, ac=ac), global_batch, seq),
+                               memory_margin=memory_margin)
+            except ConfigError as e:
+                refused = refused or f"{replace(layout, ac=ac).label()}: {e}"
                 break
             if smallest is None or pred.memory.total < smallest.memory.total:
                 smallest = pred
@@ -103,12 +123,14 @@ def search(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: int,
                 break
     if not found:
         if smallest is None:
+            why = f" (e.g. {refused})" if refused else ""
             raise ConfigError(f"no layout of {gpus} GPUs runs {arch.name} with --global-batch {global_batch} "
-                              f"--seq {seq}; use a global batch that is a multiple of {gpus}")
-        need = smallest.memory.total / smallest.capacity
+                              f"--seq {seq}{why}; use a global batch that is a multiple of {gpus}")
+        need = smallest.memory.total / smallest.memory_limit
         raise ConfigError(f"{arch.name} fits no layout of {gpus} GPUs on {cluster.name}: the smallest peak is "
                           f"{smallest.memory.total / 2**30:.1f} GiB per rank ({smallest.layout.label()}) of "
-                          f"{smallest.capacity / 2**30:.1f} GiB; try --gpus {gpus * max(2, 2 ** int(need).bit_length())} "
-                          f"or a smaller --global-batch")
+                          f"{smallest.memory_limit / 2**30:.1f} GiB ({smallest.capacity / 2**30:.1f} GiB less the "
+                          f"{memory_margin:.0%} --memory-margin); try --gpus "
+                          f"{gpus * max(2, 2 ** int(need).bit_length())} or a smaller --global-batch")
     found.sort(key=lambda p: p.step_time)
     return found[:top]

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from ..errors import ConfigError
 from ..parallel.pipeline.schedule import bubble_fraction, simulate
 from .architectures import Arch
 from .clusters import Cluster
@@ -52,19 +53,40 @@ class Prediction:
     """Collective -> the algorithm auto would pick for it."""
     host_capacity: float = math.inf
     """Host bytes a rank may hold (its share of the node's memory; inf where the cluster does not say)."""
+    memory_margin: float = 0.0
+    """Fraction of ``capacity`` kept free (``--memory-margin``): the peak must fit in the rest, since the
+    prediction is a model and the allocator fragments (``search`` and the CLI set it; 0 elsewhere)."""
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes the predicted peak may reach: ``capacity`` less the margin."""
+        return self.capacity * (1.0 - self.memory_margin)
 
     @property
     def fits(self) -> bool:
-        """True if the peak memory fits in a rank's capacity, and offload's host bytes in its share."""
-        return self.memory.total <= self.capacity and self.memory.host <= self.host_capacity
+        """True if the peak memory fits in a rank's capacity less the margin, and offload's host bytes
+        in its share."""
+        return self.memory.total <= self.memory_limit and self.memory.host <= self.host_capacity
 
     def as_dict(self) -> dict:
         """JSON-ready form."""
         host = self.host_capacity if math.isfinite(self.host_capacity) else None
         return {"layout": self.layout.label(), "step_time_s": self.step_time, "parts_s": self.parts,
                 "memory_bytes": self.memory.as_dict(), "capacity_bytes": self.capacity, "host_capacity_bytes": host,
-                "fits": self.fits,
+                "memory_margin": self.memory_margin, "memory_limit_bytes": self.memory_limit, "fits": self.fits,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "algorithms": self.algorithms}
+
+
+DEFAULT_MEMORY_MARGIN = 0.10
+"""``--memory-margin``'s default: a layout fits if its predicted peak is at most 90 % of a rank's memory."""
+
+
+def check_memory_margin(margin: object) -> float:
+    """``margin`` as a float, or ConfigError naming ``--memory-margin`` unless 0 <= margin < 1."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"--memory-margin {margin!r}: must be a fraction from 0 (no margin) up to, not "
+                          f"including, 1 (no memory left); use e.g. --memory-margin {DEFAULT_MEMORY_MARGIN}")
+    return float(margin)
 
 
 @lru_cache(maxsize=8192)

@@ -22,6 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _planner_words(summary: dict) -> str:
+    """The planner's check of the run (metrics.plan_check) for the final line: predicted vs measured."""
+    measured = summary.get("measured_step_s")
+    if measured is None:
+        return "planner: no measured steps"
+    if summary.get("predicted_step_s") is None:
+        return f"planner: no prediction ({summary.get('prediction_reason')}), measured {measured:.4f} s/step"
+    return (f"planner predicted {summary['predicted_step_s']:.4f} s/step and "
+            f"{summary['predicted_peak_mem_bytes'] / 2**20:.0f} MiB, measured {measured:.4f} s/step and "
+            f"{summary['measured_peak_mem_bytes'] / 2**20:.0f} MiB")
+
+
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
     """Resolve the config, then print it or run it; errors exit 2 with the reason."""
     from ..errors import MeshtrainError
@@ -47,6 +59,6 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"# trained {summary['steps']} steps of a {summary['params'] / 1e6:.1f}M-parameter model on "
           f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
           f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s")
+          f"{summary['tokens_per_s']:.0f} tokens/s; {_planner_words(summary)}")
     print(f"# wrote {summary['run_dir']}/metrics.jsonl, loss.png, summary.json, tensorboard/")
     return 0

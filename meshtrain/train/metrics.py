@@ -8,6 +8,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from ..bench.report import write_json_atomic
+from ..errors import MeshtrainError
 from ..models.llama import LlamaConfig
 from .moe_metrics import tensorboard_scalars
 
@@ -42,6 +44,24 @@ def measure_cpu_peak(n: int = 1024, repeats: int = 20) -> float:
     return 2.0 * n**3 / best
 
 
+def _cpu_peak_cache() -> tuple[Path, str]:
+    """Where the CPU peak is cached, and the key (cores, torch) a cached figure must have."""
+    cache = Path(os.environ.get("MESHTRAIN_CACHE_DIR", Path.home() / ".cache" / "meshtrain")) / "cpu_peak.json"
+    # the host's peak (every core), whatever this process's thread count: the launcher gives each
+    # worker one thread, and the ranks of a host share its cores
+    return cache, f"{os.cpu_count()}-{torch.__version__}"
+
+
+def cached_cpu_peak() -> float:
+    """The CPU peak FLOP/s ``device_peak`` cached for this host and torch; 0.0 if there is none."""
+    cache, key = _cpu_peak_cache()
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no cache, or an unreadable one
+        data = json.loads(cache.read_text())
+        if data.get("key") == key:
+            return float(data["flops"])
+    return 0.0
+
+
 def device_peak(device: torch.device, refresh: bool = True) -> float:
     """Peak FLOP/s of one device: a GPU's datasheet bf16 figure, or for the CPU a matmul
     microbenchmark cached in MESHTRAIN_CACHE_DIR or ~/.cache/meshtrain. The cache keeps the
@@ -54,15 +74,8 @@ def device_peak(device: torch.device, refresh: bool = True) -> float:
         for key, peak in GPU_PEAK.items():
             if key in name:
                 return peak
-    cache = Path(os.environ.get("MESHTRAIN_CACHE_DIR", Path.home() / ".cache" / "meshtrain")) / "cpu_peak.json"
-    # the host's peak (every core), whatever this process's thread count: the launcher gives each
-    # worker one thread, and the ranks of a host share its cores
-    key = f"{os.cpu_count()}-{torch.__version__}"
-    cached = 0.0
-    with contextlib.suppress(OSError, ValueError, KeyError):  # no cache, or an unreadable one
-        data = json.loads(cache.read_text())
-        if data.get("key") == key:
-            cached = float(data["flops"])
+    cache, key = _cpu_peak_cache()
+    cached = cached_cpu_peak()
     if cached and not refresh:
         return cached
     threads = torch.get_num_threads()
@@ -76,6 +89,56 @@ def device_peak(device: torch.device, refresh: bool = True) -> float:
     with contextlib.suppress(OSError):  # a read-only home only costs a re-measurement next time
         write_json_atomic(str(cache), {"key": key, "flops": flops})
     return flops
+
+
+def step_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's measured step from its per-step records: the median and fastest ``step_s`` after the
+    first two steps (warm-up: allocators and caches; the last record if there are no more) and the
+    highest ``peak_mem_bytes``. ``meshtrain bench plan`` and the run's own planner check use it."""
+    timed = records[2:] or records[-1:]
+    return {"step_s": statistics.median(r["step_s"] for r in timed),
+            # the fastest step: what the machine does when nothing else runs (the cores are shared)
+            "best_step_s": min(r["step_s"] for r in timed),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+
+
+def plan_check(config: Any, model_cfg: LlamaConfig, device: torch.device,
+               records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The planner's prediction for this run's own layout beside what the run measured, for
+    summary.json: ``predicted_step_s`` and ``predicted_peak_mem_bytes`` (null with
+    ``prediction_reason`` when no prediction could be made: a GPU no preset prices, a layout the
+    planner cannot price, no cached host calibration) and ``measured_step_s`` /
+    ``measured_peak_mem_bytes`` (``step_summary``). It never raises: a finished run is not failed
+    over its prediction. Nothing is measured for it (a CPU host's cached calibration or none)."""
+    got = step_summary(records)
+    out: dict[str, Any] = {"predicted_step_s": None, "measured_step_s": got["step_s"],
+                           "predicted_peak_mem_bytes": None, "measured_peak_mem_bytes": got["peak_mem_bytes"],
+                           "prediction": None, "prediction_reason": None}
+    try:
+        from ..plan.auto import predict_run
+
+        pred, cluster = predict_run(config, model_cfg, device.type)
+    except Exception as exc:  # noqa: BLE001 - any failure is the prediction's, never the run's
+        out["prediction_reason"] = str(exc) if isinstance(exc, MeshtrainError) else f"{type(exc).__name__}: {exc}"
+        return out
+    out.update(predicted_step_s=pred.step_time, predicted_peak_mem_bytes=pred.memory.total,
+               prediction={"cluster": cluster.name, "layout": pred.layout.label(),
+                           "compute": "profiled" if cluster.profile_compute else "roofline",
+                           "step_ratio": pred.step_time / got["step_s"] if got["step_s"] else None,
+                           "mem_ratio": pred.memory.total / got["peak_mem_bytes"] if got["peak_mem_bytes"] else None})
+    return out
+
+
+def plan_check_line(check: dict[str, Any]) -> str:
+    """The run's last log line: predicted vs measured step time and peak memory (or why no prediction)."""
+    measured = (f"measured {check['measured_step_s']:.4f} s/step, "
+                f"{check['measured_peak_mem_bytes'] / 2**20:.0f} MiB peak")
+    if check["predicted_step_s"] is None:
+        return f"# planner: no prediction ({check['prediction_reason']}); {measured}"
+    p = check["prediction"]
+    return (f"# planner: predicted {check['predicted_step_s']:.4f} s/step, "
+            f"{check['predicted_peak_mem_bytes'] / 2**20:.0f} MiB/rank ({p['cluster']}, {p['compute']}, "
+            f"{p['layout']}); {measured}")
 
 
 def resident_peak_bytes() -> int:

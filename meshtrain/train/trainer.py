@@ -8,7 +8,6 @@ world size is dp·pp·cp·tp. Every rank reads the same global batch; the model 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..bench.report import write_json_atomic
 from ..config.dims import degrees_of
 from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
@@ -31,7 +31,8 @@ from .config_check import check_algorithm
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .moe_metrics import moe_record, plot_load_balance
-from .metrics import MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plot_loss
+from .metrics import (MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plan_check, plan_check_line,
+                      plot_loss)
 from .step import StepResult, apply_step, measure_step
 from .tokenizer import prepare_data
 
@@ -176,9 +177,13 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
+        # every run checks the planner: its prediction for this layout beside what the run measured
+        check = plan_check(config, cfg, device, hist)
+        summary.update(check)
         plot_loss(hist, run_dir / "loss.png")
         plot_load_balance(hist, run_dir / "load_balance.png")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_json_atomic(str(run_dir / "summary.json"), summary)
+        print(plan_check_line(check), flush=True)
     return summary
 
 

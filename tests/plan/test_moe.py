@@ -124,7 +124,7 @@ def test_expert_memory_falls_with_ep_and_is_sharded_over_its_expert_data_paralle
 
 
 def test_ep_shrinks_deepseek_v3s_peak_per_rank():
-    layouts = [f"dp=64,tp=2,pp=8,m=64,ep={ep},zero=1,ac=full" for ep in (8, 64)]
+    layouts = [f"dp=64,tp=2,pp=8,m=64,uneven=1,ep={ep},zero=1,ac=full" for ep in (8, 64)]
     peaks = [predict(DSV3, H100, parse_layout(t), 4096, 4096).memory.total for t in layouts]
     assert peaks[1] < peaks[0]
 
