@@ -139,7 +139,36 @@ def test_layouts_run_torch_and_meshtrain_processes(tmp_path, capsys, monkeypatch
     assert got["bitwise_equal"] is True and got["ok"] is True and got["max_reduction"] == 2
     assert got["ratio"] == pytest.approx(got["step_s"]["meshtrain"] / got["step_s"]["torch-gloo"])
     assert len(got["losses"]["meshtrain"][0]) == 3
+    assert all(got["comm_s"][m] > 0 for m in ("torch-gloo", "meshtrain"))  # p2p waits and all-reduces timed
     assert "pp2xcp2" in capsys.readouterr().out
+
+
+def test_comm_clock_times_calls_and_waits_and_keeps_the_module_names():
+    """The clock adds the time inside timed calls and inside waits on the Works they return; the
+    other names are the module's own objects (P2POp checks isend/irecv by identity)."""
+    import time
+    import types
+
+    import torch.distributed as tdist
+
+    from meshtrain.bench.comm_clock import CommClock
+
+    class Work:
+        def wait(self):
+            time.sleep(0.02)
+
+    fake = types.SimpleNamespace(all_reduce=lambda t, group=None: time.sleep(0.03), isend=tdist.isend,
+                                 batch_isend_irecv=lambda ops: [Work() for _ in ops], ReduceOp=tdist.ReduceOp)
+    clock = CommClock(fake)
+    assert clock.isend is tdist.isend and clock.ReduceOp is tdist.ReduceOp
+    t0 = time.perf_counter()
+    clock.all_reduce(None)
+    for w in clock.batch_isend_irecv([1, 2]):
+        w.wait()
+    outside = time.perf_counter() - t0
+    assert 0.07 <= clock.seconds <= outside
+    clock.reset()
+    assert clock.seconds == 0.0
 
 
 def test_layouts_exit_1_when_losses_differ_more_than_allowed(monkeypatch, capsys):
@@ -149,7 +178,8 @@ def test_layouts_exit_1_when_losses_differ_more_than_allowed(monkeypatch, capsys
 
     def fake(rel, widest):
         return {"step_s": {"torch-gloo": 0.1, "meshtrain": 0.1}, "trials_step_s": {"torch-gloo": [0.1],
-                "meshtrain": [0.1]}, "ratio": 1.0, "bitwise_equal": rel == 0.0, "max_rel_diff": rel,
+                "meshtrain": [0.1]}, "ratio": 1.0, "comm_s": {"torch-gloo": 0.05, "meshtrain": 0.01},
+                "bitwise_equal": rel == 0.0, "max_rel_diff": rel,
                 "max_reduction": widest, "ok": compat.losses_agree(rel, widest)}
 
     for name, rel, widest, code in [("dp4", 7e-8, 4, 0), ("pp2xdp2", 0.0, 2, 0), ("pp2xdp2", 7e-8, 2, 1),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import compat_llama
+from .comm_clock import CommClock
 
 WORLD = 4
 MODES = {"torch-gloo": ("torch.distributed", "torch"), "meshtrain-torch": ("meshtrain.comm", "torch"),
@@ -128,8 +129,9 @@ def _llama_worker(rank: int, mode: str, sizes: dict[str, int], cfg: Any, steps: 
         dist.init_process_group("gloo")  # torch.distributed is up (as torchrun + init leave it)
     else:
         import torch.distributed as dist
-    out = compat_llama.loop(dist, rank, sizes, cfg, steps, warmup)
-    return {"step_s": statistics.median(out["times"]), "losses": out["losses"]}
+    clock = CommClock(dist)
+    out = compat_llama.loop(clock, rank, sizes, cfg, steps, warmup, on_timed=clock.reset)
+    return {"step_s": statistics.median(out["times"]), "losses": out["losses"], "comm_s": clock.seconds / steps}
 
 
 def _compare(a: list[float], b: list[float]) -> float:
@@ -169,6 +171,7 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
         world = compat_llama.world_size(sizes)
         per: dict[str, list[float]] = {m: [] for m in LLAMA_MODES}
         losses: dict[str, list[list[float]]] = {m: [] for m in LLAMA_MODES}
+        comm: dict[str, list[float]] = {m: [] for m in LLAMA_MODES}  # s/step inside communication calls
         for t in range(trials):
             for mode in (LLAMA_MODES if t % 2 == 0 else LLAMA_MODES[::-1]):
                 # transport=None: only torch.distributed is initialised, so the torch-gloo run is
@@ -176,10 +179,12 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
                 if hosts > 1:
                     one = _run_on_hosts(hosts, mode, sizes, cfg, steps, warmup)
                     per[mode].append(one["step_s"])
+                    comm[mode].append(one["comm_s"])
                     losses[mode].append(one["losses"])
                     continue
                 res = spawn(world, _llama_worker, mode, sizes, cfg, steps, warmup, timeout=600, transport=None)
                 per[mode].append(max(r["step_s"] for r in res))
+                comm[mode].append(statistics.mean(r["comm_s"] for r in res))
                 losses[mode].append(res[0]["losses"])
         med = {m: statistics.median(v) for m, v in per.items()}
         ref = losses[PEER][0]
@@ -187,6 +192,7 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
         widest = compat_llama.max_reduction(sizes)
         out[name] = {
             "sizes": sizes, "step_s": med, "trials_step_s": per, "ratio": med["meshtrain"] / med[PEER],
+            "comm_s": {m: statistics.median(v) for m, v in comm.items()}, "trials_comm_s": comm,
             "losses": losses, "bitwise_equal": rel == 0.0, "max_rel_diff": rel, "max_reduction": widest,
             "ok": losses_agree(rel, widest)}
     return out
@@ -279,16 +285,18 @@ def _main_layouts(args: argparse.Namespace) -> int:
     print(f"# Llama dim {cfg.dim}, {cfg.layers} layers, {cfg.heads} heads, ffn {cfg.ffn}, vocab {cfg.vocab}, "
           f"seq {cfg.seq}, fp32; global batch {cfg.global_batch} in {cfg.micro_batches} micro-batches per "
           f"replica; {args.world} processes on {args.hosts} host(s), {args.steps} timed steps (+{args.warmup}), median of {args.trials} trials")
-    print("# layout        torch-gloo ms  meshtrain ms  meshtrain/torch  losses (all steps, all trials)"
-          "          trials ms: torch-gloo | meshtrain")
+    print("# layout        torch-gloo ms  meshtrain ms  meshtrain/torch  comm ms/step (torch | meshtrain)  "
+          "losses (all steps, all trials)          trials ms: torch-gloo | meshtrain")
     for name, r in res.items():
         same = "bitwise equal" if r["bitwise_equal"] else f"max rel diff {r['max_rel_diff']:.1e}"
         same += "" if r["ok"] else " (FAIL)"
         trials = " | ".join(" ".join(f"{t * 1e3:.1f}" for t in r["trials_step_s"][m]) for m in LLAMA_MODES)
+        comm = f"{r['comm_s'][PEER] * 1e3:.1f} | {r['comm_s']['meshtrain'] * 1e3:.1f}"
         print(f"  {name:14s} {r['step_s'][PEER] * 1e3:11.1f}  {r['step_s']['meshtrain'] * 1e3:12.1f}  "
-              f"{r['ratio']:15.2f}  {same:37s}  {trials}")
+              f"{r['ratio']:15.2f}  {comm:33s}  {same:37s}  {trials}")
     print(f"# losses must be bitwise equal where every sum has <= 2 members (tp, dp x cp <= 2), and within "
-          f"{LOSS_RTOL:g} relative elsewhere (gloo adds > 2 members in its own order)")
+          f"{LOSS_RTOL:g} relative elsewhere (gloo adds > 2 members in its own order); comm ms/step: the mean "
+          f"rank's time inside collectives and p2p waits per timed step (waits for slower peers included)")
     if args.json_path:
         from .report import write_json_atomic
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import compat_llama
+from .comm_clock import CommClock
 from .report import write_json_atomic
 
 
@@ -33,12 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = compat_llama.LlamaConfig(**cfg["model"])
-    out = compat_llama.loop(dist, rank, cfg["sizes"], model, cfg["steps"], cfg["warmup"])
-    steps: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, statistics.median(out["times"]))  # after the timed steps
+    clock = CommClock(dist)
+    out = compat_llama.loop(clock, rank, cfg["sizes"], model, cfg["steps"], cfg["warmup"], on_timed=clock.reset)
+    mine = (statistics.median(out["times"]), clock.seconds / cfg["steps"])
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # after the timed steps
     links = dist.describe(None)["links"] if cfg["mode"] == "meshtrain" else {}
     if rank == 0:
-        write_json_atomic(out_path, {"step_s": max(steps), "losses": out["losses"], "links": links})
+        write_json_atomic(out_path, {"step_s": max(s for s, _ in every), "comm_s": statistics.mean(c for _, c in every),
+                                     "losses": out["losses"], "links": links})
     dist.destroy_process_group()
     return 0
 

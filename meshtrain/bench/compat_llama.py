@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -229,12 +229,13 @@ def global_loss(mesh: Mesh, local: torch.Tensor) -> float:
 
 
 def loop(dist: Any, rank: int, layout: dict[str, int] | None, cfg: LlamaConfig | None, steps: int = 0,
-         warmup: int = 0, return_params: bool = False) -> dict[str, Any]:
+         warmup: int = 0, return_params: bool = False, on_timed: Callable[[], None] | None = None
+         ) -> dict[str, Any]:
     """Train for ``warmup + steps`` steps with ``dist`` (torch.distributed or meshtrain.comm,
     initialised). Rank 0's ``layout``, ``cfg``, ``steps`` and ``warmup`` reach every rank by
     ``broadcast_object_list`` (the others may pass None). Returns ``times`` (seconds of each step
     from ``warmup`` on), ``losses`` (every step's global mean loss) and, if asked, ``params``
-    (this rank's final weight shards by name)."""
+    (this rank's final weight shards by name). ``on_timed`` is called once, as the timed steps begin."""
     obj: list[Any] = [layout, cfg, steps, warmup] if rank == 0 else [None] * 4
     dist.broadcast_object_list(obj, src=0)
     sizes, cfg, steps, warmup = obj
@@ -252,6 +253,8 @@ def loop(dist: Any, rank: int, layout: dict[str, int] | None, cfg: LlamaConfig |
     total_tokens = cfg.global_batch * cfg.seq
     times, losses = [], []
     for step in range(warmup + steps):
+        if step == warmup and on_timed is not None:
+            on_timed()  # the timed steps begin (the bench's communication clock starts here)
         tokens = global_tokens(cfg, step)[c["dp"] * rows:(c["dp"] + 1) * rows]
         inputs, targets = tokens[:, :-1][:, cols], tokens[:, 1:][:, cols]
         t0 = time.perf_counter()
