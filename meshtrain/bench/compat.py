@@ -172,6 +172,7 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
         per: dict[str, list[float]] = {m: [] for m in LLAMA_MODES}
         losses: dict[str, list[list[float]]] = {m: [] for m in LLAMA_MODES}
         comm: dict[str, list[float]] = {m: [] for m in LLAMA_MODES}  # s/step inside communication calls
+        rank_comm: dict[str, list[list[float]]] = {m: [] for m in LLAMA_MODES}  # per rank (one host)
         for t in range(trials):
             for mode in (LLAMA_MODES if t % 2 == 0 else LLAMA_MODES[::-1]):
                 # transport=None: only torch.distributed is initialised, so the torch-gloo run is
@@ -185,6 +186,7 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
                 res = spawn(world, _llama_worker, mode, sizes, cfg, steps, warmup, timeout=600, transport=None)
                 per[mode].append(max(r["step_s"] for r in res))
                 comm[mode].append(statistics.mean(r["comm_s"] for r in res))
+                rank_comm[mode].append([r["comm_s"] for r in res])
                 losses[mode].append(res[0]["losses"])
         med = {m: statistics.median(v) for m, v in per.items()}
         ref = losses[PEER][0]
@@ -193,6 +195,7 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
         out[name] = {
             "sizes": sizes, "step_s": med, "trials_step_s": per, "ratio": med["meshtrain"] / med[PEER],
             "comm_s": {m: statistics.median(v) for m, v in comm.items()}, "trials_comm_s": comm,
+            "trials_rank_comm_s": rank_comm,
             "losses": losses, "bitwise_equal": rel == 0.0, "max_rel_diff": rel, "max_reduction": widest,
             "ok": losses_agree(rel, widest)}
     return out
