@@ -24,8 +24,9 @@ from meshtrain.comm.launch import spawn
 MODES = {"torch": ("torch.distributed", None), "meshtrain": ("meshtrain.comm", None)}
 
 
-def worker(rank: int, module: str, n_iter: int) -> dict[str, float]:
-    """Time each call ``n_iter`` times after 20 untimed; µs per call by name."""
+def worker(rank: int, module: str, n_iter: int, across: bool) -> dict[str, float]:
+    """Time each call ``n_iter`` times after 20 untimed; µs per call by name. ``across``: the p2p
+    pair is a rank on the other host (else the neighbour, rank ^ 1)."""
     torch.set_num_threads(1)
     dist: Any = importlib.import_module(module)
     if module == "meshtrain.comm" and not dist.is_initialized():
@@ -46,7 +47,8 @@ def worker(rank: int, module: str, n_iter: int) -> dict[str, float]:
     timeit("all_reduce 4K", lambda: dist.all_reduce(x))
     timeit("all_reduce 256K", lambda: dist.all_reduce(y))
     timeit("all_gather_into_tensor 4K", lambda: dist.all_gather_into_tensor(out, x))
-    peer, a, b = rank ^ 1, torch.randn(1024), torch.empty(1024)
+    peer = (rank + world // 2) % world if across else rank ^ 1
+    a, b = torch.randn(1024), torch.empty(1024)
 
     def pair() -> None:
         for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)]):
@@ -69,7 +71,7 @@ def main(argv: list[str]) -> None:
     per: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     for _ in range(3):
         for mode, (module, transport) in MODES.items():
-            per[mode].append(spawn(world, worker, module, n_iter, transport=transport, timeout=300,
+            per[mode].append(spawn(world, worker, module, n_iter, host_ids is not None, transport=transport, timeout=300,
                                    host_ids=host_ids)[0])
     for name in per["torch"][0]:
         t = statistics.median(p[name] for p in per["torch"])
