@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .train import debug as debug_mod
 
     debug_mod.add_arguments(dsub.add_parser("hang", help="read RUN_DIR/flight/ and name the ranks that stopped"))
+    debug_mod.add_elastic_arguments(dsub.add_parser("elastic", help="list RUN_DIR's world changes (elastic runs)"))
     viz = sub.add_parser("viz", help="pictures: pipeline schedules as Gantt charts")
     vsub = viz.add_subparsers(dest="viz", required=True)
     schedule = vsub.add_parser("schedule", help="draw a simulated pipeline schedule or a measured trace as a PNG")

@@ -14,12 +14,12 @@ from .check import model_config, parallel_config, validate
 from .loading import apply_overrides, from_dict, load_config, parse_value, resolve_out, to_dict, to_toml
 from .model import PRESETS, LlamaConfig
 from .parallel import ParallelConfig
-from .schema import (CheckpointSection, CommSection, Config, DataSection, ModelSection, ParallelSection,
-                     TrainSection, all_keys, field_docs)
+from .schema import (CheckpointSection, CommSection, Config, DataSection, ElasticSection, ModelSection,
+                     ParallelSection, TrainSection, all_keys, field_docs)
 
 __all__ = [
     "Config", "ModelSection", "ParallelSection", "TrainSection", "DataSection", "CheckpointSection",
-    "CommSection", "load_config", "apply_overrides", "from_dict", "to_dict", "to_toml", "validate",
+    "CommSection", "ElasticSection", "load_config", "apply_overrides", "from_dict", "to_dict", "to_toml", "validate",
     "model_config", "parallel_config", "resolve_out", "field_docs", "all_keys", "parse_value",
     "LlamaConfig", "PRESETS", "ParallelConfig",
 ]

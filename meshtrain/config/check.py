@@ -180,6 +180,8 @@ def validate(config: Config) -> None:
     ck = config.checkpoint
     _need(ck.every >= 0 and ck.keep >= 1 and bool(ck.dir), f"need checkpoint.every >= 0 (0: at the end only), "
           f"checkpoint.keep >= 1 and a checkpoint.dir, got every = {ck.every}, keep = {ck.keep}, dir = {ck.dir!r}")
+    _need(not config.elastic.enabled or ck.enabled, "elastic.enabled = true needs checkpoint.enabled = true "
+          "(a run on a new world resumes from the last checkpoint); enable checkpoints or elastic.enabled = false")
     mc = model_config(config)
     _need(t.seq_len <= mc.max_seq_len, f"train.seq_len = {t.seq_len} is longer than model.max_seq_len = "
           f"{mc.max_seq_len}; set model.max_seq_len = {t.seq_len} or a shorter train.seq_len")

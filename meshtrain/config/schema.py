@@ -247,6 +247,26 @@ class CommSection:
 
 
 @dataclass
+class ElasticSection:
+    """Elastic training: keep training when the world changes size (``torchrun --nnodes MIN:MAX``
+    restarts the workers with a new WORLD_SIZE), resuming from the last checkpoint resharded."""
+
+    enabled: bool = False
+    """When the ranks started differ from dp x tp x pp x cp, choose the layout for them (tp, pp, cp
+    kept, dp = ranks / (tp x pp x cp)) and resume from the last checkpoint instead of failing; on
+    SIGTERM every rank finishes its step, saves a checkpoint and exits with code 143. Needs
+    checkpoint.enabled; an empty checkpoint.resume becomes "auto"."""
+    keep_global_batch: bool = True
+    """Keep train.global_batch whatever the world (each dp rank takes more or fewer rows: the same
+    losses). false: each dp rank keeps global_batch / dp rows of the configured layout, and train.lr
+    and train.min_lr scale linearly with the new global batch (new / configured)."""
+    reshape_model_parallel: bool = False
+    """When dp alone cannot absorb the new world (tp x pp x cp larger than it or not dividing it),
+    shrink cp, then pp, then tp to divisors of their configured values until a layout fits; false:
+    stop with an error that lists the world sizes that work."""
+
+
+@dataclass
 class Config:
     """The whole configuration of a training run."""
 
@@ -262,6 +282,8 @@ class Config:
     """Checkpoints."""
     comm: CommSection = field(default_factory=CommSection)
     """Communication."""
+    elastic: ElasticSection = field(default_factory=ElasticSection)
+    """Elastic training (world size changes)."""
     out: str = ""
     """Run directory; "" means runs/<YYYYmmdd-HHMMSS>, fixed once by ``resolve_out`` (the
     launcher's job, so that every process writes to the same directory)."""
@@ -321,6 +343,6 @@ def unknown(key: str, candidates: Iterable[str], what: str = "config key") -> Co
 
 __all__ = [
     "Config", "ModelSection", "ParallelSection", "TrainSection", "DataSection", "CheckpointSection",
-    "CommSection", "SECTIONS", "TOP_LEVEL", "FROM_TRAIN", "PRECISIONS", "DEVICES", "transports", "BACKENDS", "field_docs",
+    "CommSection", "ElasticSection", "SECTIONS", "TOP_LEVEL", "FROM_TRAIN", "PRECISIONS", "DEVICES", "transports", "BACKENDS", "field_docs",
     "hints", "all_keys", "unknown", "overrides_of",
 ]

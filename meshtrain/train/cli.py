@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times after a failure")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--world-size", type=int, help="start this many ranks instead of dp x tp x pp x cp; needs "
+                   "elastic.enabled, which chooses the layout for them (as after a torchrun membership change)")
 
 
 def _planner_words(summary: dict) -> str:
@@ -38,6 +40,7 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     """Resolve the config, then print it or run it; errors exit 2 with the reason."""
     from ..errors import MeshtrainError
     from .config import load_config, to_toml, validate
+    from .elastic import EXIT_PREEMPTED, preempted_message
     from .launch import launch
 
     try:
@@ -46,7 +49,8 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
             validate(config)
             print(to_toml(config), end="")
             return 0
-        summary = launch(config, max_restarts=args.max_restarts, progress=not args.no_progress)
+        summary = launch(config, max_restarts=args.max_restarts, progress=not args.no_progress,
+                         world=args.world_size)
     except MeshtrainError as exc:
         print(f"meshtrain train: error: {exc}", file=sys.stderr)
         return 2
@@ -56,6 +60,9 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"meshtrain train: error: worker rank {rank} failed (exit code {failure.exitcode}): {msg}",
               file=sys.stderr)
         return 2 if msg.split(":", 1)[0] in _BAD_INPUT else 1
+    if summary.get("preempted"):  # SIGTERM with elastic.enabled: a clean stop at a step boundary
+        print(f"meshtrain train: {preempted_message(summary)}", file=sys.stderr)
+        return EXIT_PREEMPTED
     print(f"# trained {summary['steps']} steps of a {summary['params'] / 1e6:.1f}M-parameter model on "
           f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
           f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "

@@ -13,8 +13,8 @@ from typing import Any
 from ..config.check import model_config, parallel_config, validate
 from ..config.loading import apply_overrides, from_dict, load_config, parse_value, resolve_out, to_dict, to_toml
 from ..config.schema import (BACKENDS, DEVICES, PRECISIONS, SECTIONS, TOP_LEVEL, CheckpointSection, CommSection,
-                             Config, DataSection, ModelSection, ParallelSection, TrainSection, all_keys, field_docs,
-                             transports)
+                             Config, DataSection, ElasticSection, ModelSection, ParallelSection, TrainSection,
+                             all_keys, field_docs, transports)
 from ..config.schema import unknown as _unknown  # noqa: F401 (the name config_check.py imported)
 
 
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Config", "ModelSection", "ParallelSection", "TrainSection", "DataSection", "CheckpointSection",
-    "CommSection", "load_config", "apply_overrides", "from_dict", "to_dict", "to_toml", "validate",
+    "CommSection", "ElasticSection", "load_config", "apply_overrides", "from_dict", "to_dict", "to_toml", "validate",
     "model_config", "parallel_config", "resolve_out", "field_docs", "all_keys", "parse_value",
     "SECTIONS", "TOP_LEVEL", "PRECISIONS", "DEVICES", "transports", "BACKENDS",
 ]

@@ -1,6 +1,7 @@
 """Post-mortem of a hang: every rank's flight recorder (its last collectives) is dumped into
 ``RUN_DIR/flight/`` when a collective fails, and ``meshtrain debug hang RUN_DIR`` reads them and
-says which rank stopped where.
+says which rank stopped where. ``meshtrain debug elastic RUN_DIR`` lists the run's world changes
+(the ``world_change`` rows of its metrics.jsonl).
 
 The reasoning is the one NCCL's flight-recorder analysis uses: within a group, every rank issues
 the same collectives in the same order (numbered by ``seq``), so the ranks that reached a lower
@@ -80,8 +81,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, help="the run's world size (to name ranks that left no record)")
 
 
+def world_changes(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``{"event": "world_change", ...}`` rows of ``RUN_DIR/metrics.jsonl``, in order (a run
+    writes one each time it resumes under another layout than its checkpoint's)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: pass the run directory of a `meshtrain train` run")
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [r for r in rows if r.get("event") == "world_change"]
+
+
+def describe_world_change(row: dict[str, Any]) -> str:
+    """One line for a world-change row: the step, the layouts, the worlds and the seconds measured."""
+    from .elastic import layout_label as label
+
+    secs = ", ".join(f"{k} {v:.2f} s" for k, v in row.get("seconds", {}).items())
+    return (f"after step {row['step']}: {row['old_world']} -> {row['new_world']} ranks, "
+            f"{label(row['old_layout'])} -> {label(row['new_layout'])} ({secs})"
+            + (f"; {row['reason']}" if row.get("reason") else ""))
+
+
+def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
+    """``meshtrain debug elastic RUN_DIR``."""
+    p.add_argument("run_dir", help="the run directory whose metrics.jsonl to read")
+
+
 def main(args: argparse.Namespace) -> int:
-    """Print the analysis; 2 when there is nothing to read."""
+    """``hang``: print the analysis; ``elastic``: list the world changes. 2 when there is nothing to read."""
+    if getattr(args, "debug", "hang") == "elastic":
+        try:
+            changes = world_changes(args.run_dir)
+        except (OSError, ValueError) as exc:
+            print(f"meshtrain debug elastic: error: {exc}", file=sys.stderr)
+            return 2
+        for row in changes:
+            print(describe_world_change(row))
+        if not changes:
+            print(f"no world changes in {args.run_dir}/metrics.jsonl: every resume kept the checkpoint's layout")
+        return 0
     try:
         records = load_flight_records(args.run_dir)
     except (OSError, ValueError, KeyError) as exc:

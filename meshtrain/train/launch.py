@@ -25,6 +25,7 @@ from .. import comm, worker_processes
 from ..comm.launch import share_cores
 from ..comm.transport import registry
 from ..errors import CollectiveError, ConfigError, MeshtrainError
+from . import elastic
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
 
@@ -72,7 +73,8 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
                               f"process that holds it") from exc
     failure: BaseException | None = None
     try:
-        return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
+        with elastic.sigterm_stops(config.elastic.enabled):  # SIGTERM: save at the next step boundary
+            return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
         exit_within(EXIT_GRACE_S, 2 if isinstance(exc, MeshtrainError) else 1)
@@ -144,9 +146,11 @@ def scratch_tmpdir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict[str, Any]:
+def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: int | None = None) -> dict[str, Any]:
     """Run ``config`` on this host; returns rank 0's summary. With ``max_restarts`` the elastic
-    agent restarts failed workers, which resume from the run's latest checkpoint."""
+    agent restarts failed workers, which resume from the run's latest checkpoint. ``world`` starts
+    that many ranks instead of the layout's (``elastic.enabled`` then chooses the layout for them,
+    as after a torchrun membership change)."""
     resolve_out(config)
     if max_restarts and not config.checkpoint.resume:
         config.checkpoint.resume = "auto"
@@ -164,10 +168,22 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True) -> dict
         from .metrics import device_peak
 
         device_peak(torch.device("cpu"))  # measure the CPU peak while the machine is still quiet
-    n = world_size(config)
+    n = world_size(config) if world is None else world
+    if n != world_size(config):
+        if not config.elastic.enabled:
+            raise ConfigError(f"--world-size {n} differs from the {world_size(config)} ranks of the layout "
+                              f"(dp x tp x pp x cp); set elastic.enabled = true to choose the layout for {n} ranks, "
+                              f"or leave --world-size out")
+        elastic.effective_config(config, n, tokenizer.vocab_size)  # a world with no layout: one error, here
     if registry.runs_as_threads(config.comm.transport):
-        return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s,
-                              transport=config.comm.transport)[0]
+        def run() -> dict[str, Any]:
+            return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s,
+                                  transport=config.comm.transport)[0]
+
+        if not config.elastic.enabled:
+            return run()
+        with elastic.sigterm_stops():  # ranks as threads: this thread runs the handler, so it must stay awake
+            return elastic.call_interruptibly(run)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # the workers fork from a server that imported torch once (worker_processes), not n new
@@ -218,9 +234,13 @@ def main_torchrun(argv: list[str] | None = None) -> int:
             print(f"meshtrain.train: error: [host {socket.gethostname()}] ConfigError: {exc}", file=sys.stderr)
         return 2
     try:
-        worker(to_dict(config))
+        summary = worker(to_dict(config))
     except MeshtrainError as exc:  # bad input: one line naming it and the fix, exit 2 (as meshtrain train)
         print(f"meshtrain.train: error: [rank {os.environ.get('RANK', '?')}] {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 2
+    if summary.get("preempted"):  # saved at a step boundary on SIGTERM: non-zero, so torchrun restarts
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"meshtrain.train: {elastic.preempted_message(summary)}", file=sys.stderr)
+        return elastic.EXIT_PREEMPTED
     return 0

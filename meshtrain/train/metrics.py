@@ -11,7 +11,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -166,6 +166,8 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.history: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        """Rows that are not steps (``{"event": "world_change", ...}``), kept out of ``history``."""
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -192,6 +194,11 @@ class MetricsLogger:
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
             self.bar.update(1)
 
+    def event(self, row: dict[str, Any]) -> None:
+        """Write a row that is not a step (it has an ``event`` key) to ``metrics.jsonl`` only."""
+        self.events.append(row)
+        self.file.write(json.dumps(row) + "\n")
+
     def close(self) -> None:
         """Flush and close the files and the bar."""
         if self.bar is not None:
@@ -201,8 +208,9 @@ class MetricsLogger:
         self.file.close()
 
 
-def plot_loss(history: list[dict[str, Any]], path: Path) -> None:
-    """``loss.png``: loss against step (written to a temp file, then renamed)."""
+def plot_loss(history: list[dict[str, Any]], path: Path, marks: Sequence[int] = ()) -> None:
+    """``loss.png``: loss against step (written to a temp file, then renamed), with a dashed vertical
+    line at each step of ``marks`` (world changes: the steps a run resumed from under a new layout)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,6 +218,8 @@ def plot_loss(history: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in history], [r["loss"] for r in history], lw=1.2)
+    for step in marks:
+        ax.axvline(step, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,15 @@ import torch
 
 from .. import comm
 from ..bench.report import write_json_atomic
-from ..config.dims import degrees_of
+from ..config.dims import degrees_of, world_size_of
 from ..errors import CollectiveError, ConfigError, MeshtrainError
 from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
-from .checkpoint import latest_checkpoint, load_checkpoint
+from . import elastic
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint_io import step_dir_name
 from .checkpoint_async import CheckpointSaver
 from .config import Config, TrainSection, model_config, parallel_config, to_dict, to_toml
 from .config_check import check_algorithm
@@ -91,12 +94,25 @@ def preferred_algorithm(config: Config, transport_kind: str) -> str | None:
 
 
 def _train(config: Config, progress: bool) -> dict[str, Any]:
+    entered = time.perf_counter()
+    configured = config
+    _, tokenizer, tokens = prepare_data(config.data)
+    # elastic: the layout for the ranks this run got (the configured one when they match)
+    config, reshaped = elastic.effective_config(config, comm.get_world_size(), tokenizer.vocab_size)
+    if reshaped and comm.get_rank() == 0:
+        print(f"# elastic: layout {elastic.layout_label(degrees_of(configured.parallel))} -> "
+              f"{elastic.layout_label(degrees_of(config.parallel))}: {reshaped}", file=sys.stderr, flush=True)
     t, p = config.train, config.parallel
     torch.manual_seed(t.seed)
     device = resolve_device(t.device)
-    _, tokenizer, tokens = prepare_data(config.data)
     cfg = model_config(config, tokenizer.vocab_size)
-    mesh = Mesh(**degrees_of(p))
+    try:
+        mesh = Mesh(**degrees_of(p))
+    except ConfigError as exc:
+        if config.elastic.enabled or world_size_of(degrees_of(p)) == comm.get_world_size():
+            raise
+        raise ConfigError(f"{exc}; or set elastic.enabled = true to choose the layout for the "
+                          f"{comm.get_world_size()} ranks this run got") from None
     model = ParallelModel(cfg, mesh, parallel_config(config), seed=t.seed, device=device)
     # fused AdamW on a GPU: one kernel, and its step counts stay on the device (no host reads)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -119,15 +135,31 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     rank0 = comm.get_rank() == 0
     run_dir = Path(config.out)
     ckpt_root = run_dir / config.checkpoint.dir
-    start_step = _resume(config, ckpt_root, model, opt, loader, scaler)
+    loading = time.perf_counter()
+    start_step, saved = _resume(config, ckpt_root, model, opt, loader, scaler)
+    resumed = time.perf_counter()
+    # with elastic on, a resume under another layout than the checkpoint's is a metrics row (off, the
+    # file keeps one row per step, as readers of runs that reshard on purpose expect)
+    old_layout = elastic.layout_of_checkpoint(saved) if saved is not None and config.elastic.enabled else None
     logger = None
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(config))
+        (run_dir / "config.toml").write_text(to_toml(configured))  # as launched: elastic derives layouts from it
         logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress)
+        if old_layout is not None and old_layout != degrees_of(p):
+            # what this process can time: from the trainer's start (the process group already
+            # formed) to the resume; detecting the change and the rendezvous happen before it
+            logger.event(elastic.world_change_row(start_step, old_layout, degrees_of(p), reshaped, {
+                "start_to_resume": resumed - entered, "setup": loading - entered, "load": resumed - loading}))
     comm.barrier()  # the run directory exists before anyone writes into it
     start, loss = time.perf_counter(), float("nan")
     saver = CheckpointSaver(config.checkpoint.async_save)
+    ck, saved_step, stopped = config.checkpoint, -1, 0
+
+    def extra(step: int) -> dict[str, Any]:
+        return {"step": step, "loader": loader.state_dict(), "config": to_dict(config), "rng": torch.get_rng_state(),
+                **({"loss_scaler": scaler.state_dict()} if scaler is not None else {})}
+
     try:
         for step in range(start_step + 1, t.steps + 1):
             lr = lr_at(step, t)
@@ -154,12 +186,16 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                 record.update(moe_record(model.moe_stats))
             if logger is not None and (step % t.log_every == 0 or step == t.steps):
                 logger.log(record)
-            ck = config.checkpoint
             if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
-                saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra={
-                    "step": step, "loader": loader.state_dict(), "config": to_dict(config),
-                    "rng": torch.get_rng_state(),
-                    **({"loss_scaler": scaler.state_dict()} if scaler is not None else {})})
+                saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra=extra(step))
+                saved_step = step
+            # elastic: one flag all-reduced per step, so every rank stops after the same one
+            if config.elastic.enabled and step < t.steps and elastic.agree_to_stop(elastic.stop_requested()):
+                saver.wait()  # an async save of this step commits here
+                if saved_step != step:
+                    save_checkpoint(str(ckpt_root), step, model, opt, extra(step), ck.keep)
+                stopped = step
+                break
         saver.wait()  # an async save in flight is committed before the run ends
     except CollectiveError:
         # a hang or a desync: leave this rank's last collectives for `meshtrain debug hang RUN_DIR`
@@ -168,6 +204,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     finally:
         if logger is not None:
             logger.close()
+    if stopped:  # returned, not raised: a raising rank would abort peers still finishing the save
+        return elastic.preempted_summary(stopped, str(ckpt_root / step_dir_name(stopped)), str(run_dir), t.steps)
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "active_params": active_params(cfg),
                "world_size": mesh.world_size,
                "layout": degrees_of(p), "seconds": time.perf_counter() - start,
@@ -180,7 +218,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         # every run checks the planner: its prediction for this layout beside what the run measured
         check = plan_check(config, cfg, device, hist)
         summary.update(check)
-        plot_loss(hist, run_dir / "loss.png")
+        plot_loss(hist, run_dir / "loss.png", marks=[e["step"] for e in logger.events])
         plot_load_balance(hist, run_dir / "load_balance.png")
         write_json_atomic(str(run_dir / "summary.json"), summary)
         print(plan_check_line(check), flush=True)
@@ -243,19 +281,19 @@ def check_same_config(config: Config) -> None:
 
 
 def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader,
-            scaler: DynamicLossScaler | None) -> int:
+            scaler: DynamicLossScaler | None) -> tuple[int, dict[str, Any] | None]:
     """Load the checkpoint ``checkpoint.resume`` names ("auto": this run's latest, if any) into the
     model, optimizer, loader and fp16 loss scaler (one saved without a scaler leaves it at its
-    initial scale), under whatever layout this run has; returns its step (0: none)."""
+    initial scale), under whatever layout this run has; returns its step (0: none) and its extra."""
     want = config.checkpoint.resume
     if not want:
-        return 0
+        return 0, None
     path = latest_checkpoint(str(root)) if want == "auto" else want
     if path is None:
-        return 0
+        return 0, None
     extra = load_checkpoint(path, model, opt)
     loader.load_state_dict(extra["loader"])
     torch.set_rng_state(extra["rng"])
     if scaler is not None and "loss_scaler" in extra:
         scaler.load_state_dict(extra["loss_scaler"])
-    return int(extra["step"])
+    return int(extra["step"]), extra
