@@ -177,6 +177,13 @@ case "$INFO" in *H200*) CLUSTER=h200 ;; *A100*) CLUSTER=a100 ;; *) CLUSTER=h100 
     echo '```'
 } >> "$OUT.tmp/report.md"
 
+echo "## 6. Every run above checks the planner (meshtrain bench plan --collect: their summary.json)" >> "$OUT.tmp/report.md"
+{
+    echo '```'
+    "$PY" -m meshtrain.cli bench plan --collect "$OUT.tmp" 2>&1 | tail -12
+    echo '```'
+} >> "$OUT.tmp/report.md"
+
 rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
 echo "gpu-check: wrote $OUT/report.md with $PY (exit $status)"
 exit $status

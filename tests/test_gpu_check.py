@@ -89,8 +89,9 @@ def test_gpu_check_uses_a_cuda_python3_as_it_is(tmp_path):
     assert args[0] == "-c PROBE" and args[1].startswith("-m pytest -m cuda")
     assert args[2].startswith("-m meshtrain.cli bench loop") and "--device cuda" in args[2]
     assert all(a.startswith("- ") for a in args[3:6])  # the 8b, fp16 and 8b-offload scripts on stdin
-    assert [a.split()[:3] for a in args[6:]] == [["-m", "meshtrain.cli", "plan"]] * 2
-    assert len(args) == 8  # no pip, no venv
+    assert [a.split()[:3] for a in args[6:8]] == [["-m", "meshtrain.cli", "plan"]] * 2
+    assert args[8].split()[:5] == ["-m", "meshtrain.cli", "bench", "plan", "--collect"]  # the runs' checks
+    assert len(args) == 9  # no pip, no venv
 
 
 def test_gpu_check_without_cuda_installs_nothing(tmp_path):

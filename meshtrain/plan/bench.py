@@ -94,10 +94,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="sequences per step")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
+    parser.add_argument("--collect", nargs="+", metavar="DIR",
+                        help="run nothing: gather the planner checks that finished `meshtrain train` runs wrote "
+                             "into their summary.json under these directories, with the error over them")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the pairs and print predicted vs measured."""
+    """Run the pairs and print predicted vs measured (``--collect``: gather finished runs' checks)."""
+    if args.collect:
+        from ..errors import ConfigError
+        from .collect import collect, errors, print_table
+
+        try:
+            rows = collect(args.collect)
+        except ConfigError as exc:
+            print(f"meshtrain bench plan: error: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+            print(json.dumps({"errors": errors(rows)}))
+        else:
+            print_table(rows)
+        return 0
     cluster = this_host()
     print(f"# this-host: peak {cluster.peak_flops / 1e9:.1f} GFLOP/s over {cluster.cores} cores, {cluster.notes}")
     if not args.json:

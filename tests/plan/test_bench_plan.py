@@ -1,6 +1,11 @@
 """``meshtrain bench plan`` in miniature: one (model, layout) pair predicted and trained in the same
 test, with generous bounds (the CPU is shared with other work)."""
 
+import json
+
+import pytest
+
+from meshtrain.cli import main
 from meshtrain.plan.bench import PAIRS, compare, train_args
 from meshtrain.plan.host import this_host
 
@@ -19,3 +24,41 @@ def test_predicted_and_measured_step_and_memory_agree(tmp_path):
     assert 1 / 3 < row["best_step_ratio"] < 3, row
     # the resident set's peak, the interpreter and torch included on both sides
     assert 0.8 < row["mem_ratio"] < 1.25, row
+
+
+def _summary(run, predicted, measured, pred_mem, meas_mem, reason=None):
+    """A finished run's summary.json as `meshtrain train` writes it (train.metrics.plan_check's keys)."""
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({
+        "steps": 4, "predicted_step_s": predicted, "measured_step_s": measured,
+        "predicted_peak_mem_bytes": pred_mem, "measured_peak_mem_bytes": meas_mem, "prediction_reason": reason,
+        "prediction": None if predicted is None else {"cluster": "this-host", "layout": "dp=2,tp=2"}}))
+
+
+def test_collect_gathers_every_runs_check_with_the_error_over_them(tmp_path, capsys):
+    """--collect reads every summary.json below the folders: priced runs give the error (computed
+    here from the same numbers), an unpriced one is listed with its reason."""
+    _summary(tmp_path / "a" / "run1", 0.2, 0.25, 300 * 2**20, 250 * 2**20)
+    _summary(tmp_path / "a" / "deep" / "run2", 0.5, 0.4, 100 * 2**20, 100 * 2**20)
+    _summary(tmp_path / "b" / "run3", None, 0.1, None, 90 * 2**20, reason="no host calibration cached")
+    (tmp_path / "b" / "old").mkdir()
+    (tmp_path / "b" / "old" / "summary.json").write_text(json.dumps({"steps": 1}))  # before runs checked it
+    assert main(["bench", "plan", "--collect", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    rows, summary = lines[:-1], lines[-1]["errors"]
+    assert len(rows) == 3 and rows[2]["reason"] == "no host calibration cached"
+    step = sorted([abs(0.2 / 0.25 - 1), abs(0.5 / 0.4 - 1)])
+    assert summary["n"] == 2
+    assert summary["step_median"] == pytest.approx(sum(step) / 2) and summary["step_worst"] == pytest.approx(step[1])
+    assert summary["mem_worst"] == pytest.approx(300 / 250 - 1)
+    assert main(["bench", "plan", "--collect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no prediction (no host calibration cached)" in out and "2 runs priced" in out
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_collect_without_runs_exits_2_naming_the_folder(tmp_path, capsys, what):
+    folder = tmp_path / "nowhere" if what == "missing" else tmp_path
+    assert main(["bench", "plan", "--collect", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert str(folder) in err and ("no such directory" in err if what == "missing" else "no summary.json" in err)
