@@ -20,7 +20,6 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -95,7 +94,7 @@ class CostModel:
 
 @functools.lru_cache(maxsize=None)
 def _model(costs: tuple[float, float, float]) -> CostModel:
-    return CostModel(*costs)  # one object per entry: its groups share it, as they shared DEFAULTS' before
+    return CostModel(*costs)  # one object per entry: its groups share it
 
 
 def default_model(kind: str) -> CostModel:
@@ -104,9 +103,6 @@ def default_model(kind: str) -> CostModel:
     spec = registry.find(kind)
     return _model(spec.cost_model if spec is not None else registry.LINK_COSTS)
 
-
-DEFAULTS: Mapping[str, CostModel] = registry.SpecView(lambda s: _model(s.cost_model))
-"""Each registered transport's model before calibration, by name (read-only: the registry's)."""
 
 
 def cache_path() -> Path:

@@ -306,12 +306,6 @@ def transports() -> tuple[str, ...]:
     return (registry.AUTO, *registry.names())
 
 
-def __getattr__(name: str) -> Any:
-    # TRANSPORTS, computed on access: a constant would fix the names before a transport registers
-    if name == "TRANSPORTS":
-        return transports()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 BACKENDS = ("auto", "gloo", "nccl")
 """The values of ``comm.backend``."""

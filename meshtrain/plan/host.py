@@ -22,7 +22,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from ..comm.select import DEFAULTS, CostModel, cache_path
+from ..comm.select import CostModel, cache_path, default_model
 from ..config.model import PRESETS
 from .architectures import from_llama_config
 from .clusters import GiB, Cluster, Level
@@ -128,7 +128,7 @@ def cached_cost_model() -> CostModel:
     for key, value in sorted(data.items()):
         if key.startswith("shm"):
             return CostModel(**value)
-    return DEFAULTS["shm"]
+    return default_model("shm")
 
 
 def this_host(peak: float | None = None, bandwidth: float | None = None, base_memory: float | None = None) -> Cluster:

@@ -8,8 +8,6 @@ import from here (``from meshtrain.train.config import load_config``). Importing
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..config.check import model_config, parallel_config, validate
 from ..config.loading import apply_overrides, from_dict, load_config, parse_value, resolve_out, to_dict, to_toml
 from ..config.schema import (BACKENDS, DEVICES, PRECISIONS, SECTIONS, TOP_LEVEL, CheckpointSection, CommSection,
@@ -17,12 +15,6 @@ from ..config.schema import (BACKENDS, DEVICES, PRECISIONS, SECTIONS, TOP_LEVEL,
                              all_keys, field_docs, transports)
 from ..config.schema import unknown as _unknown  # noqa: F401 (the name config_check.py imported)
 
-
-def __getattr__(name: str) -> Any:
-    # TRANSPORTS is the registry's names at the time of asking (schema.transports), not a constant
-    if name == "TRANSPORTS":
-        return transports()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

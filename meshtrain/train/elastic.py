@@ -291,12 +291,13 @@ def call_interruptibly(fn: Callable[[], Any]) -> Any:
     return box["result"]
 
 
-def agree_to_stop(requested: bool) -> bool:
+def agree_to_stop(requested: bool, device: torch.device | str = "cpu") -> bool:
     """Collective over the world: True on every rank if any rank asks to stop (an all-reduce MAX of
-    one flag), so all ranks stop after the same step though a SIGTERM reaches them at different times."""
+    one flag), so all ranks stop after the same step though a SIGTERM reaches them at different times.
+    ``device``: the training device (an NCCL group moves only CUDA tensors)."""
     from .. import comm
 
-    flag = torch.tensor([1.0 if requested else 0.0])
+    flag = torch.tensor([1.0 if requested else 0.0], device=device)
     comm.all_reduce(flag, op=comm.ReduceOp.MAX)
     return bool(flag.item() > 0)
 

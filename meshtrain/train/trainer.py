@@ -190,7 +190,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                 saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra=extra(step))
                 saved_step = step
             # elastic: one flag all-reduced per step, so every rank stops after the same one
-            if config.elastic.enabled and step < t.steps and elastic.agree_to_stop(elastic.stop_requested()):
+            if (config.elastic.enabled and step < t.steps
+                    and elastic.agree_to_stop(elastic.stop_requested(), device)):
                 saver.wait()  # an async save of this step commits here
                 if saved_step != step:
                     save_checkpoint(str(ckpt_root), step, model, opt, extra(step), ck.keep)

@@ -3,12 +3,12 @@
 import pytest
 
 from meshtrain.comm.algorithms import REGISTRY, TABLE, algorithms_for, implementation, shm_direct
-from meshtrain.comm.transport import base
+from meshtrain.comm.transport import registry
 
 
-@pytest.mark.parametrize("kind", sorted(base.CAPABILITIES))
+@pytest.mark.parametrize("kind", registry.names())
 def test_algorithms_for_lists_exactly_the_table_entries_the_transport_offers(kind):
-    caps = base.CAPABILITIES[kind]
+    caps = registry.capabilities_of(kind)
     for op in REGISTRY:
         names = algorithms_for(op, kind)
         assert names == [n for (o, n), impl in TABLE.items() if o == op and impl.offered_on(caps)]

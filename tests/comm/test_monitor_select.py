@@ -116,7 +116,7 @@ def test_auto_takes_nccl_own_collectives_on_an_nccl_group():
         t = SimpleNamespace(kind="torch", backend=backend)
         comm = SimpleNamespace(transport=t, preferred_algorithm=None)
         return SimpleNamespace(comm=comm, size=4, ranks=[0, 1, 2, 3], hosts=["h"] * 4,
-                               cost_model=select.DEFAULTS["torch"])
+                               cost_model=select.default_model("torch"))
 
     ops = [op for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
            if "native" in algorithms_for(op, "torch")]

@@ -147,7 +147,7 @@ def test_builtin_entries_hold_what_the_code_used_to_hard_code():
     assert registry.names() == ["local", "shm", "torch"]
     assert registry.names(threads=False) == ["shm", "torch"] and registry.names(threads=True) == ["local"]
     assert [LocalTransport.kind, ShmTransport.kind, TorchTransport.kind] == ["local", "shm", "torch"]
-    # transport/base.py's CAPABILITIES
+    # what transport/base.py's CAPABILITIES table held
     assert registry.capabilities_of("local") == Capabilities(cpu_only=False, ranks_are_threads=True)
     assert registry.capabilities_of("shm") == Capabilities(shared_memory=True)
     assert registry.capabilities_of("torch") == Capabilities(native_collectives=True, cpu_only=False)
@@ -156,11 +156,11 @@ def test_builtin_entries_hold_what_the_code_used_to_hard_code():
     # select.py's DEFAULTS, and the torch model for a kind it does not know
     want = {"local": (30e-6, 1 / 3e9, 1 / 4e9), "torch": (300e-6, 1 / 0.8e9, 1 / 4e9), "shm": (10e-6, 1 / 5e9, 1 / 4e9)}
     for name, (a, b, g) in want.items():
-        model = select.DEFAULTS[name]
+        model = select.default_model(name)
         assert (model.alpha, model.beta, model.gamma, model.source) == (a, b, g, "default")
-    assert select.default_model("nope") == select.DEFAULTS["torch"]
-    assert dict(select.DEFAULTS).keys() == want.keys()
-    # bench comm_cli's TRANSPORTS and ONLY_ON, schema's TRANSPORTS
+    assert select.default_model("nope") == select.default_model("torch")
+    assert set(registry.names()) == want.keys()
+    # what bench comm_cli's TRANSPORTS and ONLY_ON and schema's TRANSPORTS held
     assert only_on() == {"native": "torch", "shm": "shm", "shm_symmetric": "shm"}
     assert transports() == ("auto", "local", "shm", "torch")
     # auto's choice (comm.init) and config/check.py's transport_kinds, hints

@@ -125,7 +125,7 @@ def _group(kind: str, preferred: str | None, *, local: bool = True, size: int = 
     comm_ = SimpleNamespace(transport=_Transport(kind, local), preferred_algorithm=preferred)
     # a fixed cost model, so the fallback needs no calibration
     return SimpleNamespace(comm=comm_, ranks=list(range(size)), size=size, hosts=["h"] * size,
-                           cost_model=select.DEFAULTS["torch"])
+                           cost_model=select.default_model("torch"))
 
 
 def _auto(kind: str, op: str, nbytes: int, **kw) -> str:

@@ -12,7 +12,7 @@ from ...errors import CollectiveTimeout
 from ..work import Work
 # The registry (and the Capabilities each entry declares) lives in registry.py; these names are
 # re-exported here, where callers have always imported them.
-from .registry import CAPABILITIES, Capabilities, capabilities  # noqa: F401
+from .registry import Capabilities, capabilities  # noqa: F401
 
 
 class PeerTimeout(CollectiveTimeout):

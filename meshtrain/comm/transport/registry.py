@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from .base import Transport
@@ -75,7 +75,7 @@ class TransportSpec:
     """Builds this rank's transport: ``init`` calls it for processes, ``run_local`` per thread."""
     capabilities: Capabilities = Capabilities()
     cost_model: tuple[float, float, float] = LINK_COSTS
-    """alpha, beta, gamma before calibration (``select.DEFAULTS``; threads never calibrate implicitly)."""
+    """alpha, beta, gamma before calibration (``select.default_model``; threads never calibrate implicitly)."""
     algorithms: tuple[str, ...] = ()
     """Algorithm names (the dispatch table's, and the bench's) that run on this transport only."""
     config_hint: str = ""
@@ -191,32 +191,6 @@ def capabilities(transport: Any) -> Capabilities:
     return capabilities_of(getattr(transport, "kind", ""))
 
 
-V = TypeVar("V")
-
-
-class SpecView(Mapping[str, V]):
-    """A read-only mapping name -> one fact of each entry (``CAPABILITIES``, ``select.DEFAULTS``):
-    the per-name tables that code read before the registry, now computed from it."""
-
-    def __init__(self, fact: Callable[[TransportSpec], V]) -> None:
-        self._fact = fact
-
-    def __getitem__(self, name: str) -> V:
-        spec = find(name)
-        if spec is None:
-            raise KeyError(name)
-        return self._fact(spec)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(names())
-
-    def __len__(self) -> int:
-        return len(names())
-
-
-CAPABILITIES: Mapping[str, Capabilities] = SpecView(lambda s: s.capabilities)
-"""Each registered kind's capabilities (read-only; ``register`` adds to it)."""
-
 __all__ = ["Capabilities", "Setup", "TransportSpec", "LINK_COSTS", "ANY_BACKEND", "AUTO", "register", "unregister",
            "find", "get", "specs", "names", "runs_as_threads", "auto_choice", "auto_names", "capabilities",
-           "capabilities_of", "CAPABILITIES", "SpecView"]
+           "capabilities_of"]
