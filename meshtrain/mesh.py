@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 from . import comm
 from .comm import Communicator, Group
-from .config.dims import AXES, DIMS, VIEWS, axis_sizes, check_degrees
+from .config.dims import AXES, DIMS, VIEWS, axis_sizes, check_degrees, positive_int
 from .errors import ConfigError
 
 TRAINING_AXES = tuple(AXES)
@@ -64,10 +64,6 @@ class Coords:
         return "Coords(" + ", ".join(f"{k}={v}" for k, v in self._values.items()) + ")"
 
 
-def _positive_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
 def _check_view(name: str, run: tuple[str, ...], order: list[str], views: Mapping[str, tuple[str, ...]]) -> None:
     """Raise ``ConfigError`` unless view ``name`` is a new name (or one already meaning ``run``)
     for mesh axes listed in mesh order."""
@@ -107,7 +103,7 @@ class Mesh:
            communicator: Communicator | None = None) -> "Mesh":
         """A mesh of any named axes (slowest first) and views (each a set of those axes, in mesh order)."""
         c = communicator or comm.current()
-        if not axes or not all(_positive_int(v) for v in axes.values()):
+        if not axes or not all(positive_int(v) for v in axes.values()):
             raise ConfigError(f"mesh axes must be positive integers, got {dict(axes)!r}")
         if math.prod(axes.values()) != c.world_size:
             raise ConfigError(f"the mesh axes {dict(axes)} hold {math.prod(axes.values())} ranks but the world "

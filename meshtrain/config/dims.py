@@ -92,7 +92,8 @@ DIMS = ("dp", "pp", "cp", "tp", "ep")
 """The degrees ``Mesh.shape`` reports (dp is dp_replicate x dp_shard)."""
 
 
-def _positive_int(v: object) -> bool:
+def positive_int(v: object) -> bool:
+    """True for an int (not a bool) >= 1: what a degree, a count or a size must be."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
@@ -108,7 +109,7 @@ def world_size_of(degrees: Mapping[str, int]) -> int:
 
 def _suggest(world_size: int, degrees: Mapping[str, int]) -> str:
     """A valid factorisation close to the given one: keep what divides, put the rest on dp."""
-    keep = {d: v for d, v in degrees.items() if d in WORLD_DEGREES and d != "dp" and _positive_int(v)}
+    keep = {d: v for d, v in degrees.items() if d in WORLD_DEGREES and d != "dp" and positive_int(v)}
     inner = 1
     for d in ("tp", "cp", "pp"):
         v = keep.get(d, 1)
@@ -130,7 +131,7 @@ def check_degrees(degrees: Mapping[str, object], world_size: int | None = None,
     unknown_names = sorted(set(degrees) - set(DEGREE_NAMES))
     if unknown_names:
         raise ConfigError(f"unknown parallel degree(s) {unknown_names}; the degrees are {', '.join(DEGREE_NAMES)}")
-    bad = [f"{key(n)} = {v!r}" for n, v in d.items() if not _positive_int(v)]
+    bad = [f"{key(n)} = {v!r}" for n, v in d.items() if not positive_int(v)]
     if bad:
         hint = f"; for world size {world_size} use e.g. {_suggest(world_size, d)}" if world_size else ""  # type: ignore[arg-type]
         raise ConfigError(f"parallel degrees must be positive integers, got {', '.join(bad)} (each >= 1; 1 turns "
@@ -179,4 +180,4 @@ def axis_sizes(degrees: Mapping[str, int]) -> dict[str, int]:
 
 
 __all__ = ["Degree", "DEGREES", "DEGREE_NAMES", "WORLD_DEGREES", "AXES", "VIEWS", "DIMS", "degrees_of",
-           "world_size_of", "check_degrees", "check_dp_replicate", "axis_sizes", "ep_in_dp"]
+           "world_size_of", "check_degrees", "check_dp_replicate", "axis_sizes", "ep_in_dp", "positive_int"]

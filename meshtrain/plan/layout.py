@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..config.dims import positive_int
 from ..config.parallel import OFFLOAD_MODES, check_expert_parallel, check_offload
 from ..errors import ConfigError
 from ..parallel.pipeline.schedule import SCHEDULES
@@ -221,24 +222,20 @@ def _nearest_dp(layout: Layout, gpus: int) -> str:
     return replace(layout, dp=gpus, tp=1, pp=1, cp=1).label()
 
 
-def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_sizes(gpus: object, global_batch: object, seq: object) -> None:
     """Raise ConfigError naming the flag, its value and the fix unless --gpus, --global-batch and --seq
     are whole numbers from 1 to the planner's limits (every prediction and search checks them first)."""
     for flag, value, most, example in (("--gpus", gpus, MAX_GPUS, "--gpus 8 for one 8-GPU node"),
                                        ("--global-batch", global_batch, MAX_BATCH, "--global-batch 256"),
                                        ("--seq", seq, MAX_SEQ, "--seq 4096")):
-        if not _whole(value) or not 1 <= value <= most:  # type: ignore[operator]
+        if not positive_int(value) or value > most:  # type: ignore[operator]
             raise ConfigError(f"{flag} {value!r}: must be a whole number from 1 to {most:,}; use e.g. {example}")
 
 
 def check_degrees(layout: Layout) -> None:
     """Raise ConfigError unless every degree and count of ``layout`` is a whole number >= 1."""
     for name in ("dp", "tp", "pp", "cp", "microbatches", "virtual", "dp_replicate"):
-        if not _whole(getattr(layout, name)) or getattr(layout, name) < 1:
+        if not positive_int(getattr(layout, name)):
             raise ConfigError(f"layout {name}={getattr(layout, name)!r} must be a whole number >= 1 (1 turns the "
                               f"dimension off)")
 
