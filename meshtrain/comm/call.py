@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import select
+from . import select, tune
 from .algorithms import algorithms_for, native
 from .communicator import Group, current
 from .device import on_host
@@ -92,11 +92,18 @@ def check_list(lst: Any, g: Group, like: torch.Tensor, name: str) -> None:
 
 
 def choose_algorithm(g: Group, op: str, algorithm: str, nbytes: int, dtype: torch.dtype | None = None) -> str:
-    """The algorithm that runs ``op``: the cost model's choice for "auto" (never torch's own
-    collective for a ``dtype`` it cannot move), else ``algorithm`` if the group's transport offers
+    """The algorithm that runs ``op``: for "auto", the static choice (``select.choose``; never
+    torch's own collective for a ``dtype`` it cannot move), or where the group learns, the choice
+    its calls measured fastest (``tune``), else ``algorithm`` if the group's transport offers
     it (``algorithms_for``), else ValueError listing those it does."""
     if algorithm == "auto":
-        return select.choose(g, op, nbytes, native_ok=dtype not in native.NO_NATIVE)
+        native_ok = dtype not in native.NO_NATIVE
+        static = select.choose(g, op, nbytes, native_ok=native_ok)
+        tuner = g.tuner if g.tuner is not None else tune.of(g)
+        if not tuner or op not in tune.TUNED_OPS:
+            return static
+        return tuner.pick(op, nbytes, dtype, static,
+                          lambda: select.candidates(g, op, nbytes, native_ok, static))
     valid = algorithms_for(op, g.comm.transport.kind)
     if algorithm not in valid:
         hint = " ('native' needs the torch transport)" if algorithm == "native" else ""

@@ -38,6 +38,7 @@ class Group:
         self._hosts: list[str] | None = None
         self._shared: bool | None = None
         self.choices: dict[tuple, str] = {}  # select.choose's answers, by call and inputs
+        self.tuner: Any = None  # online selection (comm/tune.py): made on the first auto call, False if off
         self._seq = 0
         self._cal_seq = 0
         self._lock = threading.Lock()
@@ -126,6 +127,9 @@ class Communicator:
         # select.preferred); None: the cost model. Every rank must set it alike (the metadata
         # check names the ranks whose algorithms then differ).
         self.preferred_algorithm: str | None = None
+        # Whether auto learns from its calls (comm/tune.py): None = MESHTRAIN_AUTO_TUNE, else on for
+        # process transports other than NCCL. Every rank must set it alike.
+        self.tune: bool | None = None
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.timeout = timeout

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
-from . import check_board
+from . import check_board, tune
 from .algorithms import hierarchical, native, shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group
@@ -99,8 +99,10 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         )
     seq = g.next_seq()
     meta = dict(meta, op=name, seq=seq)
+    timed = g.tuner.take() if g.tuner else None  # auto is learning: time this call (comm/tune.py)
 
     def execute() -> Any:
+        start = tune.now() if timed else 0.0
         entry = comm.monitor.begin(g.gid, g.ranks, seq, name, str(meta.get("algorithm")),
                                    meta.get("shapes", []), str(meta.get("dtype")), nbytes)
         deadline = time.monotonic() + g.timeout
@@ -166,6 +168,8 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             comm.monitor.end(entry, ctx.sent_bytes, exc)
             raise
         comm.monitor.end(entry, ctx.sent_bytes)
+        if timed:
+            tune.Tuner.record(timed, meta["algorithm"], tune.now() - start)
         return result
 
     if async_op:

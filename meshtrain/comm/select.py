@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,7 +124,9 @@ def _load_cached(key: str) -> dict | None:
         return None
 
 
-def _save_cached(key: str, model: CostModel) -> None:
+def _save_cached(key: str, value: Any) -> None:
+    """Write ``value`` (JSON) under ``key`` in the cache file, atomically; a failure only costs a
+    re-measurement next time."""
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +134,7 @@ def _save_cached(key: str, model: CostModel) -> None:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             data = {}
-        data[key] = asdict(model)
+        data[key] = value
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
@@ -201,7 +204,7 @@ def calibrate(group, force: bool = False) -> CostModel:
     fit0 = json.loads(fits[0])
     model = CostModel(**fit0) if fit0 else default_model(t.kind)
     if group.rank == 0 and fit0:
-        _save_cached(key, model)
+        _save_cached(key, asdict(model))
     group.cost_model = model
     group.choices.clear()
     return model
@@ -345,6 +348,37 @@ def _choose(group, op: str, nbytes: int, native_ok: bool) -> str:
     nodes = len(set(group.hosts))
     model: CostModel = group.cost_model
     return min(names, key=lambda n: (model.predict(op, n, nbytes, group.size, nodes), n))
+
+
+def candidates(group, op: str, nbytes: int, native_ok: bool, static: str) -> list[str]:
+    """What online selection (``tune``) tries for ``op`` on ``nbytes``: ``static`` (this module's
+    choice) first, torch's own collective where the transport offers it for the dtype, the shm
+    collectives on one host's shared memory, hierarchical across hosts, then meshtrain's algorithms
+    by the model's price (the group's fitted model, else its transport's default: no calibration
+    is started for this), at most ``tune.MAX_CANDIDATES`` in all. Only ``static`` where the user's
+    preferred algorithm applies or on NCCL (torch's own kernels)."""
+    from .tune import MAX_CANDIDATES
+
+    t = group.comm.transport
+    if preferred(group, op) is not None or "nccl" in str(getattr(t, "backend", "")):
+        return [static]
+    valid = algorithms_for(op, t.kind)
+    nodes = len(set(group.hosts))
+    out = [static]
+    if native_ok and capabilities(t).native_collectives and "native" in valid:
+        out.append("native")
+    if "shm" in valid and group.on_shared_memory:
+        out.append("shm")
+    if "hierarchical" in valid and _hosts_on_shm(group) and op in HIERARCHICAL_FROM:
+        out.append("hierarchical")
+    model = group.cost_model or default_model(t.kind)
+    own = [n for n in REGISTRY[op] if REGISTRY[op][n] is not None and n in valid and n != "hierarchical"]
+    own.sort(key=lambda n: (model.predict(op, n, nbytes, group.size, nodes), n))
+    seen: list[str] = []
+    for n in out + own:
+        if n not in seen:
+            seen.append(n)
+    return seen[:MAX_CANDIDATES]
 
 
 def crossovers(model: CostModel, op: str, p: int, nodes: int = 1,

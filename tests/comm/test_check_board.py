@@ -24,7 +24,8 @@ def _many_calls(rank: int) -> dict:
     real = t.exchange
 
     def counting(key, *a, **kw):
-        exchanges.append(key)
+        if not key.startswith("tune/"):  # auto's online selection agrees once per slot (comm/tune.py)
+            exchanges.append(key)
         return real(key, *a, **kw)
 
     mc.all_reduce(torch.ones(1))  # builds the board (two store exchanges, once)

@@ -1,0 +1,271 @@
+"""Online selection for ``algorithm="auto"``: measure the candidates on the calls themselves, agree
+across the group on the fastest, keep it, and look again when its time drifts.
+
+The static choice (``select.choose``: measured rules and the alpha-beta-gamma model) is a guess
+from a ping-pong and a formula; this learns from the program's own calls. Per (group, op, dtype,
+power-of-two size bucket, preferred algorithm) a *slot*:
+
+* **explore**: the slot's first ``ROUNDS`` x k calls (``ROUNDS_SMALL`` below ``SMALL`` bytes) run its k candidates in turn (the static
+  choice first, torch's own collective wherever it is offered, then the model's next best). Every
+  member counts the same calls on the group in the same order, so every member runs the same
+  candidate on the same call with no message. Each call is timed where it runs (``runner``); the
+  first round warms up and is not counted.
+* **decide**: on the next call every member posts its median time per candidate through the
+  transport's ``exchange`` (the store, or a shared dict) and all take the candidate with the least
+  mean over the members -- the same answer everywhere, from the same numbers. By construction it is
+  never slower than torch's own where that was a candidate. A candidate some member has no time
+  for (an async call still in flight) is left out. Group rank 0 writes the choice to the
+  calibration cache (``select.cache_path``), keyed by transport, group shape and host
+  fingerprint; the next run's first call loads group rank 0's table (one exchange per group) and
+  keeps those choices without exploring.
+* **keep**: the choice runs; every ``CHECK_EVERY`` calls the members time the last ``RECENT`` of
+  them and exchange the median: if the mean strays from the agreed time by more than ``DRIFT``
+  either way (a link that slowed, a cached choice from a quieter machine), the slot explores again.
+
+Every candidate computes the collective correctly, so exploring calls return correct results;
+with more than two members their sums may differ in the last bits (another order of addition).
+Off on ranks as threads (their timings measure the GIL, and the seed's operators drive every rank
+from one thread, where an exchange would block it) and on NCCL (torch's own is taken there);
+``MESHTRAIN_AUTO_TUNE=0/1`` or ``Communicator.tune`` overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from typing import Any
+
+from .transport.base import PeerTimeout, capabilities
+
+ROUNDS = 4  # passes over the candidates while exploring; the first is a warm-up
+ROUNDS_SMALL = 8  # below SMALL bytes: such calls are cheap and their times noisy (scheduler, wake-ups)
+SMALL = 1 << 20
+CHECK_EVERY = 1024  # calls of a kept choice between drift checks
+RECENT = 16  # calls timed before each drift check
+DRIFT = 1.5  # a recent/agreed time ratio beyond this (or below its inverse) explores again
+MAX_CANDIDATES = 4
+TUNED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+def enabled(group: Any) -> bool:
+    """True if ``auto`` learns on ``group`` (module docstring): more than one member, and the
+    communicator's ``tune`` setting, else ``MESHTRAIN_AUTO_TUNE``, else on for process transports
+    other than NCCL."""
+    if group.size < 2:
+        return False
+    setting = group.comm.tune
+    if setting is None:
+        env = os.environ.get("MESHTRAIN_AUTO_TUNE")
+        if env is not None:
+            value = env.strip().lower()
+            if value not in ("0", "1", "true", "false", "on", "off"):
+                raise ValueError(f"MESHTRAIN_AUTO_TUNE={env!r} is not a setting: use 1 (auto learns from its "
+                                 "calls) or 0 (auto keeps its static choice), or unset it")
+            return value in ("1", "true", "on")
+        t = group.comm.transport
+        return not capabilities(t).ranks_are_threads and "nccl" not in str(getattr(t, "backend", ""))
+    return bool(setting)
+
+
+def host_fingerprint() -> str:
+    """What a cached choice is valid for besides the group's shape: the host's name and id (a
+    simulated host's ``MESHTRAIN_HOST_ID``), its cores and torch's version."""
+    import torch
+
+    host = os.environ.get("MESHTRAIN_HOST_ID", "")
+    return f"{platform.node()}{'/' + host if host else ''}/{os.cpu_count()}cpu/torch{torch.__version__}"
+
+
+class Slot:
+    """One (op, dtype, size bucket)'s state on one member; see the module docstring."""
+
+    __slots__ = ("candidates", "calls", "times", "choice", "agreed", "source", "kept_at", "recent", "probes")
+
+    def __init__(self, candidates: list[str]) -> None:
+        self.candidates = candidates
+        self.calls = 0
+        self.times: dict[str, list[float]] = {c: [] for c in candidates}
+        self.choice: str | None = candidates[0] if len(candidates) == 1 else None
+        self.agreed: dict[str, float] = {}  # mean over members of each candidate's median (s)
+        self.source = "only candidate" if self.choice else "exploring"
+        self.kept_at = 0
+        self.recent: list[float] = []
+        self.probes = 0  # times explored (re-probes after drift count)
+
+    def keep(self, choice: str, agreed: dict[str, float], source: str) -> None:
+        """Keep ``choice`` from the call after this one on."""
+        self.choice, self.agreed, self.source = choice, agreed, source
+        self.kept_at, self.recent = self.calls, []
+
+    def explore(self) -> None:
+        """Start exploring again (after a drift)."""
+        self.choice, self.calls, self.kept_at, self.recent = None, 0, 0, []
+        self.times = {c: [] for c in self.candidates}
+
+
+class Tuner:
+    """A group's slots, its loaded cache table and the exchange counter; made by ``of``."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.slots: dict[tuple, Slot] = {}
+        self.cached: dict[str, Any] | None = None
+        self.seq = 0
+        self._pending = threading.local()  # the slot and algorithm of this thread's call being made
+
+    # -- the call path -------------------------------------------------------------------------
+    def pick(self, op: str, nbytes: int, dtype: Any, static: str, candidates: Any) -> str:
+        """The algorithm for this call; ``candidates()`` lists them (the static choice first) the
+        first time a slot is met. Collective in effect: every member makes the same calls."""
+        key = (op, dtype, nbytes.bit_length(), self.group.comm.preferred_algorithm)
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = self._new_slot(key, static, candidates)
+        slot.calls += 1
+        if slot.choice is None:
+            k = len(slot.candidates)
+            n = slot.calls - 1
+            if n < (ROUNDS_SMALL if nbytes < SMALL else ROUNDS) * k:
+                algo = slot.candidates[n % k]
+                self._pending.v = (slot, algo, n >= k)  # the first round only warms up
+                return algo
+            self._decide(key, slot)
+        elif slot.calls - slot.kept_at > CHECK_EVERY:
+            self._check_drift(key, slot)
+            if slot.choice is None:  # drifted: explore again from this call
+                return self.pick(op, nbytes, dtype, static, candidates)
+        elif slot.calls - slot.kept_at > CHECK_EVERY - RECENT and slot.source != "only candidate":
+            self._pending.v = (slot, slot.choice, True)
+        return slot.choice
+
+    def take(self) -> tuple[Slot, str, bool] | None:
+        """The slot the call just picked for, if it is to be timed (``runner.run`` asks, once)."""
+        v = getattr(self._pending, "v", None)
+        if v is not None:
+            self._pending.v = None
+        return v
+
+    @staticmethod
+    def record(pending: tuple[Slot, str, bool], algorithm: str, seconds: float) -> None:
+        """Add one timed call of ``algorithm`` to its slot."""
+        slot, algo, counted = pending
+        if not counted or algo != algorithm:
+            return
+        if slot.choice is None:
+            slot.times[algo].append(seconds)
+        elif algo == slot.choice:
+            slot.recent.append(seconds)
+
+    # -- agreement -----------------------------------------------------------------------------
+    def _exchange(self, what: str, payload: Any) -> list[Any]:
+        g = self.group
+        self.seq += 1
+        try:
+            posts = g.comm.transport.exchange(f"tune/{g.gid}/{self.seq}", g.ranks, json.dumps(payload), g.timeout)
+        except PeerTimeout as exc:
+            from ..errors import CollectiveTimeout
+
+            err = CollectiveTimeout(
+                f"algorithm='auto' on group {g.gid} (ranks {g.ranks}): {what} meets every member on the same "
+                f"call, and rank(s) {exc.missing} did not arrive within {g.timeout:g}s. Every member must make "
+                "the same collective calls on the group in the same order (or set MESHTRAIN_AUTO_TUNE=0).")
+            err.missing = exc.missing  # type: ignore[attr-defined]
+            raise err from None
+        return [json.loads(p) for p in posts]
+
+    def _new_slot(self, key: tuple, static: str, candidates: Any) -> Slot:
+        slot = Slot(candidates())
+        if slot.choice is None:
+            if self.cached is None:  # first slot of the group: group rank 0's cached table for all
+                mine = _load_table(_table_key(self.group))
+                posts = self._exchange("loading the cached choices", mine if self.group.rank == 0 else None)
+                self.cached = posts[0] or {}
+            entry = self.cached.get(_slot_name(key))
+            if entry and entry.get("algorithm") in slot.candidates:
+                slot.keep(entry["algorithm"], dict(entry.get("agreed", {})), "cache")
+        return slot
+
+    def _decide(self, key: tuple, slot: Slot) -> None:
+        mine = {c: (statistics.median(ts) if ts else None) for c, ts in slot.times.items()}
+        posts = self._exchange(f"choosing {key[0]}'s algorithm", mine)
+        agreed = {}
+        for c in slot.candidates:
+            vals = [p.get(c) for p in posts]
+            if all(v is not None for v in vals):
+                agreed[c] = sum(vals) / len(vals)
+        choice = min(agreed, key=lambda c: (agreed[c], slot.candidates.index(c))) if agreed else slot.candidates[0]
+        slot.probes += 1
+        slot.keep(choice, agreed, "measured")
+        if self.group.rank == 0:
+            _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": choice, "agreed": agreed})
+
+    def _check_drift(self, key: tuple, slot: Slot) -> None:
+        mine = statistics.median(slot.recent) if slot.recent else None
+        posts = self._exchange(f"checking {key[0]}'s time", mine)
+        slot.kept_at, slot.recent = slot.calls, []
+        base = slot.agreed.get(slot.choice or "")
+        if base is None or any(p is None for p in posts):
+            if base is None and all(p is not None for p in posts):  # a cached choice without times
+                slot.agreed[slot.choice or ""] = sum(posts) / len(posts)
+            return
+        ratio = sum(posts) / len(posts) / base
+        if ratio > DRIFT or ratio < 1 / DRIFT:
+            slot.explore()
+
+    def explain(self) -> list[dict[str, Any]]:
+        """One row per slot: op, dtype, size range, candidates' agreed times, choice, source."""
+        rows = []
+        for (op, dtype, bits, pref), slot in sorted(self.slots.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+            lo = 0 if bits == 0 else 1 << (bits - 1)
+            rows.append(dict(op=op, dtype=str(dtype).replace("torch.", ""), bytes_from=lo, bytes_below=1 << bits,
+                             choice=slot.choice, source=slot.source, agreed_s=dict(slot.agreed),
+                             candidates=list(slot.candidates), probes=slot.probes))
+        return rows
+
+
+def of(group: Any) -> Tuner | None:
+    """The group's tuner, or None where ``auto`` does not learn on it (``enabled``)."""
+    t = group.tuner
+    if t is None:
+        group.tuner = t = Tuner(group) if enabled(group) else False
+    return t or None
+
+
+def settled(group: Any) -> bool:
+    """True if no slot of ``group`` is exploring (for benchmarks that time the kept choice)."""
+    t = group.tuner
+    return not t or all(s.choice is not None for s in t.slots.values())
+
+
+def _slot_name(key: tuple) -> str:
+    op, dtype, bits, pref = key
+    return f"{op}|{str(dtype).replace('torch.', '')}|{bits}|{pref or ''}"
+
+
+def _table_key(group: Any) -> str:
+    from .select import _cache_key
+
+    return f"tune|{_cache_key(group)}|{host_fingerprint()}"
+
+
+def _load_table(key: str) -> dict[str, Any] | None:
+    from .select import _load_cached
+
+    return _load_cached(key)
+
+
+def _save_entry(key: str, name: str, entry: dict[str, Any]) -> None:
+    from .select import _load_cached, _save_cached
+
+    table = _load_cached(key) or {}
+    table[name] = entry
+    _save_cached(key, table)
+
+
+def now() -> float:
+    """The clock the runner times calls with."""
+    return time.perf_counter()

@@ -1,0 +1,158 @@
+"""Online selection for algorithm="auto" (comm/tune.py): every member keeps the same choice even
+when their own timings disagree, exploring calls return correct results, a drifted choice is
+probed again, choices persist per host fingerprint, and bad settings are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshtrain.comm as mc
+from meshtrain.comm import select, tune
+from meshtrain.comm.launch import spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+NBYTES = 1 << 16
+
+
+def _skewed_record(monkeypatch, factor):
+    """Scale each recorded time by ``factor(rank, algorithm)``: the rank is this thread's."""
+    real = tune.Tuner.record
+
+    def record(pending, algorithm, seconds):
+        real(pending, algorithm, seconds * factor(mc.get_rank(), algorithm))
+
+    monkeypatch.setattr(tune.Tuner, "record", staticmethod(record))
+
+
+def _calls(rank: int, n: int, p: int, numel: int = NBYTES // 4) -> list[str]:
+    """``n`` auto all-reduces of random data, each checked against the sum computed here; the
+    algorithm each ran (from the flight recorder)."""
+    comm = mc.current()
+    comm.tune = True
+    for i in range(n):
+        gen = [torch.Generator().manual_seed(1000 * i + r) for r in range(p)]
+        xs = [torch.randn(numel, generator=g_) for g_ in gen]
+        x = xs[rank].clone()
+        mc.all_reduce(x)
+        torch.testing.assert_close(x, torch.stack(xs).sum(0), rtol=1e-5, atol=1e-5)
+    return [r["algorithm"] for r in comm.monitor.records() if r["op"] == "all_reduce"]
+
+
+def test_members_keep_one_choice_when_their_own_timings_disagree(monkeypatch):
+    """Rank r's clock makes a different candidate fastest on every rank, so a member deciding from
+    its own timings alone would differ from the others; they must all keep the same one, the least
+    mean over members, computed here from what each recorded."""
+    p = 4
+    cands: dict[int, list[str]] = {}
+
+    def factor(rank, algo):
+        order = cands.get(rank)
+        return 0.05 if order and order[rank % len(order)] == algo else 1.0
+
+    _skewed_record(monkeypatch, factor)
+
+    def fn(rank):
+        g = mc.current().world
+        cands[rank] = select.candidates(g, "all_reduce", NBYTES, True, select.choose(g, "all_reduce", NBYTES))
+        algos = _calls(rank, 60, p)
+        (slot,) = g.tuner.slots.values()
+        return algos, slot.choice, dict(slot.agreed), {c: list(t) for c, t in slot.times.items()}
+
+    out = mc.run_local(p, fn, timeout=60)
+    k = len(out[0][3])
+    assert k >= 3, f"expected several candidates on {p} thread ranks, got {list(out[0][3])}"
+    choices = {o[1] for o in out}
+    assert len(choices) == 1, f"members kept different algorithms: {choices}"
+    assert len({tuple(o[0]) for o in out}) == 1, "members ran different algorithms on the same call"
+    import statistics
+    mean = {c: sum(statistics.median(o[3][c]) for o in out) / p for c in out[0][3]}
+    assert out[0][1] == min(mean, key=mean.get)
+    assert out[0][2] == pytest.approx(mean)
+    locals_best = {min(o[3], key=lambda c, o=o: statistics.median(o[3][c])) for o in out}
+    assert len(locals_best) > 1, "the skew should have made members' own picks differ"
+    rounds = tune.ROUNDS_SMALL if NBYTES < tune.SMALL else tune.ROUNDS
+    assert set(out[0][0][rounds * k:]) == {out[0][1]}, "after exploring, only the choice runs"
+
+
+def test_a_drifted_choice_is_probed_again(monkeypatch):
+    """After the choice is kept, its calls slow down 4x on every member: the next drift check sees
+    it and the slot explores again, this time keeping another candidate."""
+    monkeypatch.setattr(tune, "CHECK_EVERY", 30)
+    monkeypatch.setattr(tune, "RECENT", 6)
+    first: dict[str, str] = {}
+
+    def factor(rank, algo):
+        return 4.0 if first.get("choice") == algo else (0.5 if algo == first.get("runner_up") else 1.0)
+
+    _skewed_record(monkeypatch, factor)
+
+    def fn(rank):
+        g = mc.current().world
+        mc.current().tune = True
+        x = torch.ones(NBYTES // 4)
+        n = 0
+        while g.tuner is None or g.tuner.slots == {} or next(iter(g.tuner.slots.values())).choice is None:
+            mc.all_reduce(x)
+            n += 1
+        slot = next(iter(g.tuner.slots.values()))
+        mc.barrier()
+        if rank == 0:
+            first["choice"] = slot.choice
+            first["runner_up"] = sorted(slot.agreed, key=slot.agreed.get)[1]
+        mc.barrier()
+        probes = [slot.probes]
+        for _ in range(3 * tune.CHECK_EVERY):
+            y = torch.full((NBYTES // 4,), float(rank))
+            mc.all_reduce(y)
+            assert torch.all(y == 1.0)  # 0 + 1
+            probes.append(slot.probes)
+        return slot.choice, max(probes), slot.source
+
+    out = mc.run_local(2, fn, timeout=60)
+    assert {o[0] for o in out} == {out[0][0]}
+    assert all(o[1] >= 2 for o in out), f"no re-probe after the drift: {out}"
+    assert out[0][0] != first["choice"], "the slowed choice was kept again"
+
+
+def _persisted(rank: int) -> tuple[list[str], str, str | None, dict[str, float]]:
+    import meshtrain.comm as mc2
+
+    x = torch.ones(NBYTES // 4)
+    for _ in range(40):
+        mc2.all_reduce(x, op="avg")
+    g = mc2.current().world
+    (row,) = g.tuner.explain()
+    algos = [r["algorithm"] for r in mc2.current().monitor.records() if r["op"] == "all_reduce"]
+    return algos, row["source"], row["choice"], row["agreed_s"]
+
+
+def test_choices_persist_per_host_and_transport_and_never_lose_to_native(tmp_path, monkeypatch):
+    """Two torch-transport processes: the first run explores (torch's own all_reduce among the
+    candidates) and keeps a choice no slower than native; a second run loads it from the cache and
+    runs only it; on another host (another host id, so another fingerprint) it explores again."""
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MESHTRAIN_AUTO_TUNE", raising=False)
+    first = spawn(2, _persisted, transport="torch", timeout=90)
+    algos, source, choice, agreed = first[0]
+    assert source == "measured" and "native" in agreed and len(set(algos)) > 1
+    assert agreed[choice] <= agreed["native"]
+    again = spawn(2, _persisted, transport="torch", timeout=90)
+    for algos2, source2, choice2, _ in again:
+        assert (source2, choice2) == ("cache", choice) and set(algos2) == {choice}
+    other = spawn(2, _persisted, transport="torch", timeout=90, host_ids=["elsewhere", "elsewhere"])
+    assert other[0][1] == "measured", "another host must not take this host's cached choices"
+
+
+def test_tuning_setting_is_checked_and_off_on_threads_by_default(monkeypatch):
+    def fn(rank):
+        return tune.enabled(mc.current().world)
+
+    monkeypatch.delenv("MESHTRAIN_AUTO_TUNE", raising=False)
+    assert mc.run_local(2, fn) == [False, False]
+    monkeypatch.setenv("MESHTRAIN_AUTO_TUNE", "1")
+    assert mc.run_local(2, fn) == [True, True]
+    monkeypatch.setenv("MESHTRAIN_AUTO_TUNE", "sometimes")
+    with pytest.raises(ValueError, match="MESHTRAIN_AUTO_TUNE='sometimes'.*1 .*0"):
+        mc.run_local(2, fn)
