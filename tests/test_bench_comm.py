@@ -22,3 +22,24 @@ def test_a_count_given_on_the_command_line_is_kept():
     cases = {"auto": {"iters": 1, "first": 0.01}, "native": {"iters": 1, "first": 0.001}}
     _same_calls(cases, {"target_s": 0.2, "iters": 1})
     assert [c["iters"] for c in cases.values()] == [1, 1]  # even below the floor of 3
+
+
+def test_explain_prints_what_auto_kept_and_the_measured_times(monkeypatch, capsys):
+    """``--explain`` on ranks as threads with learning switched on: every size shows the
+    algorithm kept, measured among its candidates, and auto's timed calls are the kept choice's."""
+    import argparse
+
+    from meshtrain.bench import comm_cli
+
+    monkeypatch.setenv("MESHTRAIN_AUTO_TUNE", "1")
+    p = argparse.ArgumentParser()
+    comm_cli.add_arguments(p)
+    args = p.parse_args(["--transport", "local", "--world", "2", "--algorithms", "auto,ring", "--sizes", "4K,64K",
+                         "--iters", "3", "--trials", "1", "--explain"])
+    assert comm_cli.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("  all_reduce")]
+    assert len(rows) == 2, out
+    for row in rows:
+        kept = row.split("->")[1].split()[0]
+        assert "(measured)" in row and f" {kept} " in row.split(")", 1)[1] + " ", row

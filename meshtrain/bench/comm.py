@@ -135,6 +135,8 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
         cases = {}
         for algo in cfg["algorithms"]:  # one checked call each, and the iteration count
             inp, out, expected = _inputs(op, count, p, rank, dtype)
+            if algo == "auto":  # time what auto keeps, not its exploring calls (comm/tune.py)
+                _settle(op, inp.clone(), out.clone(), p)
             if algo == SYMMETRIC:  # the same input in symmetric memory (all_reduce only)
                 inp = out = mc.symmetric_empty(count, dtype).copy_(inp)
             _call(op, algo, inp, out, p)
@@ -173,7 +175,21 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     records.sort(key=lambda r: (cfg["algorithms"].index(r["algorithm"]), r["size"]))
     if rank != 0:
         return None
-    return {"records": records, "calibration": calibration}
+    tuner = mc.current().world.tuner
+    return {"records": records, "calibration": calibration, "explain": tuner.explain() if tuner else []}
+
+
+def _settle(op: str, inp: torch.Tensor, out: torch.Tensor, p: int, limit: int = 200) -> None:
+    """Call ``op`` with auto until online selection keeps a choice for it (the same number of calls
+    on every rank: exploring is counted, not timed, per call)."""
+    import meshtrain.comm as mc
+    from ..comm import tune
+
+    world = mc.current().world
+    for _ in range(limit):
+        _call(op, "auto", inp, out, p)
+        if tune.settled(world):
+            return
 
 
 def memcpy_gbps(nbytes: int = 16 << 20, reps: int = 20) -> float:

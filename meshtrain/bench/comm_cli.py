@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true", help="fit and print the alpha-beta-gamma model and crossovers")
     p.add_argument("--floor", action="store_true",
                    help="also time WORLD processes each copying SIZE at once: no collective on this host can beat it")
+    p.add_argument("--explain", action="store_true",
+                   help="print what auto learned on the world: per size, the algorithm it keeps and each candidate's "
+                        "measured time (comm/tune.py)")
     p.add_argument("--json", dest="json_path", help="write one record per transport/op/algorithm/world/size")
     p.add_argument("--plot", dest="plot_path", help="write a PNG of busbw against size")
 
@@ -121,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
                     print(report.row(r))
                 print()
             records += out["records"]
+            if args.explain:
+                print_explain(f"transport={tr} world={world}", out.get("explain", []))
     _print_ratios(records)
     if args.floor:
         _print_floor(records, worlds, sizes)
@@ -189,6 +194,8 @@ def _main_hosts(args: argparse.Namespace) -> int:
                     print(report.row(r))
             print()
         records += out["records"]
+        if args.explain:
+            print_explain(f"hosts={args.hosts} x {world} ranks", out.get("explain", []))
     comm_hosts.add_ratios(records)
     comm_hosts.print_ratio_table(records)
     wrong = sum(r["wrong"] for r in records)
@@ -201,6 +208,20 @@ def _main_hosts(args: argparse.Namespace) -> int:
         comm_hosts.plot(records, args.plot_path, f"{args.op} across {args.hosts} simulated hosts ({args.dtype})")
         print(f"# wrote {args.plot_path}")
     return 1 if wrong else 0
+
+
+def print_explain(where: str, rows: list[dict[str, Any]]) -> None:
+    """``--explain``: per op and size range, auto's kept algorithm and each candidate's time (the
+    mean over ranks of each rank's median, as agreed), or why there is none."""
+    print(f"# auto on the world, {where}: size -> algorithm kept (how), candidates' measured times")
+    if not rows:
+        print("#   nothing learned: auto keeps its static choice here (ranks as threads, NCCL, "
+              "MESHTRAIN_AUTO_TUNE=0, or no auto call)")
+    for r in rows:
+        times = "  ".join(f"{a} {t * 1e6:.0f}us" for a, t in sorted(r["agreed_s"].items(), key=lambda kv: kv[1]))
+        print(f"  {r['op']:15s} {r['dtype']:9s} {report_size(r['bytes_from']):>6}-{report_size(r['bytes_below']):<6} "
+              f"-> {str(r['choice']):19s} ({r['source']})  {times}")
+    print()
 
 
 def _print_floor(records: list[dict[str, Any]], worlds: list[int], sizes: list[int]) -> None:

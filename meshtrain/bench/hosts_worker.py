@@ -24,10 +24,10 @@ from .report import write_json_atomic
 
 def auto_choices(op: str, sizes: list[int], dtype: str) -> dict[int, str]:
     """What ``algorithm="auto"`` resolves to on the world for each size (bytes, as the bench's
-    records count them): ``select.choose`` on every rank, so calibration, if still needed, is
-    collective."""
+    records count them): the choice online selection keeps (``tune.kept``), else ``select.choose``
+    on every rank, so calibration, if still needed, is collective."""
     import meshtrain.comm as mc
-    from meshtrain.comm import select
+    from meshtrain.comm import select, tune
 
     world, p = mc.current().world, mc.get_world_size()
     elem = torch.empty(0, dtype=DTYPES[dtype]).element_size()
@@ -36,7 +36,8 @@ def auto_choices(op: str, sizes: list[int], dtype: str) -> dict[int, str]:
         count = size // elem
         if op in ("all_gather", "reduce_scatter"):
             count -= count % p
-        out[count * elem] = select.choose(world, op, count * elem)
+        out[count * elem] = (tune.kept(world, op, count * elem, DTYPES[dtype])
+                             or select.choose(world, op, count * elem))
     return out
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.update(hosts=cfg["hosts"], ranks_per_host=cfg["ranks_per_host"])
                 if r["algorithm"] == "auto":
                     r["auto_choice"] = choices.get(r["size"], "")
-            write_json_atomic(out_path, {"records": out["records"], "host_of_rank": hosts,
+            write_json_atomic(out_path, {"records": out["records"], "host_of_rank": hosts, "explain": out["explain"],
                                          "seconds": time.monotonic() - t0})
     except BaseException as exc:
         mc.destroy(exc)  # the other hosts' ranks stop at once, naming this one

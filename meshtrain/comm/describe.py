@@ -20,7 +20,8 @@ def describe(group: Any = None) -> dict[str, Any]:
     ProcessGroup with a meshtrain twin): its ranks and their hosts, the transport, the path to
     each other member (``shm`` through this host's shared memory, else the backend that carries
     the message: ``gloo``, ``nccl`` or ``local`` for threads), whether a torch.distributed twin
-    exists, and the algorithms ``auto`` has chosen so far on it (op and inputs -> algorithm)."""
+    exists, the static choices ``auto`` has made so far on it (op and inputs -> algorithm) and
+    what it learned from its calls (``learned``: ``tune.Tuner.explain``)."""
     g = resolve_group(group)
     comm = g.comm
     t = comm.transport
@@ -40,4 +41,6 @@ def describe(group: Any = None) -> dict[str, Any]:
                                                              else "p2p algorithms"),
             "torch_group": g.torch_group is not None,
             # select's memo keys start with (op, bytes); the rest is bookkeeping (model id, ...)
-            "choices": {f"{k[0]} {k[1]} B": v for k, v in g.choices.items()}}
+            "choices": {f"{k[0]} {k[1]} B": v for k, v in g.choices.items()},
+            # what online selection measured and keeps, per op and size range (comm/tune.py)
+            "learned": g.tuner.explain() if g.tuner else []}

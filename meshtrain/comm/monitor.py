@@ -18,6 +18,7 @@ class Monitor:
         self._lock = threading.Lock()
         self._recent: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._groups: dict[int, dict[str, Any]] = {}
+        self._counters: dict[tuple[int, str], dict[str, Any]] = {}  # (group, op) -> its entry in _groups
 
     def begin(self, gid: int, ranks: list[int], seq: int, op: str, algorithm: str,
               shapes: list[list[int]], dtype: str, nbytes: int) -> dict[str, Any]:
@@ -27,19 +28,21 @@ class Monitor:
             "algorithm": algorithm, "shapes": shapes, "dtype": dtype, "bytes": nbytes,
             "start": time.time(), "end": None, "state": "started", "sent_bytes": 0,
         }
-        with self._lock:
-            self._recent.append(entry)
+        self._recent.append(entry)  # deque.append is atomic: no lock on every call's way in
         return entry
 
     def end(self, entry: dict[str, Any], sent_bytes: int, error: BaseException | None = None) -> None:
         """Record the end (or failure) of a collective and add it to the group's counters."""
         now = time.time()
+        entry["end"] = now
+        entry["sent_bytes"] = sent_bytes
+        entry["state"] = "completed" if error is None else f"failed: {type(error).__name__}"
         with self._lock:
-            entry["end"] = now
-            entry["sent_bytes"] = sent_bytes
-            entry["state"] = "completed" if error is None else f"failed: {type(error).__name__}"
-            g = self._groups.setdefault(entry["group"], {"ranks": entry["group_ranks"], "ops": {}})
-            c = g["ops"].setdefault(entry["op"], {"count": 0, "bytes": 0, "sent_bytes": 0, "time_s": 0.0, "errors": 0})
+            c = self._counters.get((entry["group"], entry["op"]))
+            if c is None:
+                g = self._groups.setdefault(entry["group"], {"ranks": entry["group_ranks"], "ops": {}})
+                c = self._counters[entry["group"], entry["op"]] = g["ops"].setdefault(
+                    entry["op"], {"count": 0, "bytes": 0, "sent_bytes": 0, "time_s": 0.0, "errors": 0})
             c["count"] += 1
             c["bytes"] += entry["bytes"]
             c["sent_bytes"] += sent_bytes
@@ -61,11 +64,12 @@ class Monitor:
         """Clear the counters (the flight recorder keeps its entries)."""
         with self._lock:
             self._groups.clear()
+            self._counters.clear()
 
     def records(self) -> list[dict[str, Any]]:
         """The flight recorder: the last N collectives of this rank, oldest first."""
         with self._lock:
-            return [dict(e) for e in self._recent]
+            return [dict(e) for e in list(self._recent)]
 
     def dump(self, path: str) -> str:
         """Write the flight recorder as JSON (atomically: temp file, then rename). Returns the path."""

@@ -5,15 +5,17 @@ The static choice (``select.choose``: measured rules and the alpha-beta-gamma mo
 from a ping-pong and a formula; this learns from the program's own calls. Per (group, op, dtype,
 power-of-two size bucket, preferred algorithm) a *slot*:
 
-* **explore**: the slot's first ``ROUNDS`` x k calls (``ROUNDS_SMALL`` below ``SMALL`` bytes) run its k candidates in turn (the static
-  choice first, torch's own collective wherever it is offered, then the model's next best). Every
-  member counts the same calls on the group in the same order, so every member runs the same
-  candidate on the same call with no message. Each call is timed where it runs (``runner``); the
-  first round warms up and is not counted.
+* **explore**: the slot's first ``ROUNDS`` x k x ``BLOCK`` calls (``ROUNDS_SMALL`` passes below
+  ``SMALL`` bytes) run its k candidates in turn, ``BLOCK`` calls each (the static choice first,
+  torch's own collective wherever it is offered, then the model's next best). Every member counts
+  the same calls on the group in the same order, so every member runs the same candidate on the
+  same call with no message. Each call is timed where it runs (``runner``); the first call of each
+  block is not counted (it carries the previous algorithm's skew between the ranks).
 * **decide**: on the next call every member posts its median time per candidate through the
   transport's ``exchange`` (the store, or a shared dict) and all take the candidate with the least
-  mean over the members -- the same answer everywhere, from the same numbers. By construction it is
-  never slower than torch's own where that was a candidate. A candidate some member has no time
+  mean over the members -- the same answer everywhere, from the same numbers -- unless the static
+  choice is within ``PRIOR`` of it, which then stays. So the choice is never measured more than
+  ``PRIOR`` slower than torch's own where that was a candidate. A candidate some member has no time
   for (an async call still in flight) is left out. Group rank 0 writes the choice to the
   calibration cache (``select.cache_path``), keyed by transport, group shape and host
   fingerprint; the next run's first call loads group rank 0's table (one exchange per group) and
@@ -41,9 +43,11 @@ from typing import Any
 
 from .transport.base import PeerTimeout, capabilities
 
-ROUNDS = 4  # passes over the candidates while exploring; the first is a warm-up
-ROUNDS_SMALL = 8  # below SMALL bytes: such calls are cheap and their times noisy (scheduler, wake-ups)
+ROUNDS = 2  # passes over the candidates while exploring
+BLOCK = 4  # consecutive calls of one candidate in a pass; the first of each is not counted
+ROUNDS_SMALL = 3  # below SMALL bytes: such calls are cheap and their times noisy (scheduler, wake-ups)
 SMALL = 1 << 20
+PRIOR = 0.05  # the static choice is kept unless another candidate is faster by more than this
 CHECK_EVERY = 1024  # calls of a kept choice between drift checks
 RECENT = 16  # calls timed before each drift check
 DRIFT = 1.5  # a recent/agreed time ratio beyond this (or below its inverse) explores again
@@ -129,9 +133,11 @@ class Tuner:
         if slot.choice is None:
             k = len(slot.candidates)
             n = slot.calls - 1
-            if n < (ROUNDS_SMALL if nbytes < SMALL else ROUNDS) * k:
-                algo = slot.candidates[n % k]
-                self._pending.v = (slot, algo, n >= k)  # the first round only warms up
+            if n < (ROUNDS_SMALL if nbytes < SMALL else ROUNDS) * k * BLOCK:
+                algo = slot.candidates[n // BLOCK % k]
+                # A block's first call absorbs the switch: the ranks leave the previous algorithm
+                # at different times, and the first to leave waits for the others in this call.
+                self._pending.v = (slot, algo, n % BLOCK != 0)
                 return algo
             self._decide(key, slot)
         elif slot.calls - slot.kept_at > CHECK_EVERY:
@@ -198,6 +204,9 @@ class Tuner:
             if all(v is not None for v in vals):
                 agreed[c] = sum(vals) / len(vals)
         choice = min(agreed, key=lambda c: (agreed[c], slot.candidates.index(c))) if agreed else slot.candidates[0]
+        static = slot.candidates[0]
+        if static in agreed and agreed[static] <= agreed[choice] * (1 + PRIOR):
+            choice = static  # a win inside the noise does not overturn the measured rules and the model
         slot.probes += 1
         slot.keep(choice, agreed, "measured")
         if self.group.rank == 0:
@@ -239,6 +248,13 @@ def settled(group: Any) -> bool:
     """True if no slot of ``group`` is exploring (for benchmarks that time the kept choice)."""
     t = group.tuner
     return not t or all(s.choice is not None for s in t.slots.values())
+
+
+def kept(group: Any, op: str, nbytes: int, dtype: Any) -> str | None:
+    """The choice ``group`` keeps for ``op`` on ``nbytes`` of ``dtype``, or None if none is kept."""
+    t = group.tuner
+    slot = t.slots.get((op, dtype, nbytes.bit_length(), group.comm.preferred_algorithm)) if t else None
+    return slot.choice if slot is not None else None
 
 
 def _slot_name(key: tuple) -> str:

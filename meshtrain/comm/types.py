@@ -56,6 +56,22 @@ def parse_op(op: Any) -> ReduceOp:
     """Turn a string ("sum", "avg", "mean", "band", ...), a ``ReduceOp`` or a torch ReduceOp into a ReduceOp."""
     if isinstance(op, ReduceOp):
         return op
+    try:
+        return _PARSED[op]
+    except (KeyError, TypeError):  # not seen yet, or unhashable
+        pass
+    parsed = _parse_op(op)
+    try:
+        _PARSED[op] = parsed
+    except TypeError:
+        pass
+    return parsed
+
+
+_PARSED: dict[Any, "ReduceOp"] = {}  # the names and torch ops seen: parsing a string cost ~2 us a call
+
+
+def _parse_op(op: Any) -> ReduceOp:
     if isinstance(op, str):
         key = op.lower()
         if key in _ALIASES:
