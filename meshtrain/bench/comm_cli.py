@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true", help="fit and print the alpha-beta-gamma model and crossovers")
     p.add_argument("--floor", action="store_true",
                    help="also time WORLD processes each copying SIZE at once: no collective on this host can beat it")
+    p.add_argument("--front-end", dest="front_end", action="store_true",
+                   help="time what each call costs before its data moves: a one-rank world through meshtrain.comm "
+                        "against torch.distributed's own (bench/front_end.py); other options are ignored but --trials")
     p.add_argument("--explain", action="store_true",
                    help="print what auto learned on the world: per size, the algorithm it keeps and each candidate's "
                         "measured time (comm/tune.py)")
@@ -78,6 +81,17 @@ def _worlds_and_sizes(args: argparse.Namespace, example: str, world_name: str) -
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; returns the exit code."""
+    if args.front_end:
+        from . import front_end
+
+        if args.trials < 1:
+            return _fail(f"--trials must be >= 1, got {args.trials}")
+        res = front_end.run(trials=args.trials)
+        print("\n".join(front_end.report(res)))
+        if args.json_path:
+            report.write_json([dict(r, call=k) for k, r in res.items()], args.json_path, {"target_us": front_end.TARGET_US})
+            print(f"# wrote {args.json_path}")
+        return 0
     if args.hosts is not None:
         return _main_hosts(args)
     transports = [t.strip() for t in (args.transport or "torch").split(",") if t.strip()]

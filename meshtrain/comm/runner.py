@@ -105,62 +105,14 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         start = tune.now() if timed else 0.0
         entry = comm.monitor.begin(g.gid, g.ranks, seq, name, str(meta.get("algorithm")),
                                    meta.get("shapes", []), str(meta.get("dtype")), nbytes)
-        deadline = time.monotonic() + g.timeout
-        ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), deadline, g.pool, g.hosts)
-        checked = (comm.check or force_exchange) and g.size > 1
-        # A group in one host's shared memory checks a fingerprint in the step where its members
-        # meet anyway: the shm collectives' first step, or one step of that protocol before others.
-        # The hierarchical collectives across hosts of the shm transport check it in their steps.
-        local = g.on_shared_memory  # shm_direct.usable(ctx), asked once per group
-        # (an all_to_all's pairs differ by rank: the shm one checks them from its headers itself)
-        own_pairs = pairwise is not None and local and meta.get("algorithm") == "shm"
-        fused = checked and not force_exchange and (pairwise is None or own_pairs) and (
-            local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
-        # A torch-transport group on one host checks on its shared board (comm/check_board.py).
-        board = board_of(g) if checked and not fused else None
-        plain_native = not force_exchange and pairwise is None and meta.get("algorithm") == "native"
-        beside = checked and not fused and board is None and plain_native
-        ahead = board is not None and plain_native
+        ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), time.monotonic() + g.timeout, g.pool,
+                  g.hosts)
         try:
-            if checked:
-                payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
-                if fused:
-                    ctx.fingerprint = fingerprint(payload if pairwise is None else json.dumps(
-                        {"meta": meta, "pair": None}, sort_keys=True))
-                elif board is not None:  # the pairs differ by rank: they go through the store below
-                    fp = fingerprint(payload if pairwise is None else json.dumps({"meta": meta, "pair": None},
-                                                                                 sort_keys=True))
-                    board.post(seq, fp, deadline)
-                elif not beside:
-                    payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
-                    _compare(name, seq, g, payloads)
-            try:
-                if fused and local and meta.get("algorithm") != "shm":
-                    shm_direct.check_only(ctx)
-                if ahead:  # torch's op as soon as every peer that posted matches (check_board.Ahead)
-                    result = _native_ahead(board, seq, fp, f"{name} #{seq}", deadline, body, ctx)
-                else:
-                    if board is not None:  # meshtrain's algorithms over torch p2p: checked first
-                        board.settle(seq, fp, deadline, f"{name} #{seq}")
-                        if pairwise is not None or force_exchange:
-                            _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
-                                                                           g.timeout))
-                    result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
-            except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
-                payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
-                _compare(name, seq, g, payloads)
-                raise CollectiveMismatch(f"{name} #{seq} on group {g.gid}: the ranks' metadata fingerprints "
-                                         f"differ but their metadata does not (a bug; please report it)") from None
-            finally:
-                if board is not None:
-                    board.compared(seq)
-            if fused and ctx.fingerprint is not None:
-                raise RuntimeError(f"bug: {name} on shared memory never checked the call's fingerprint")
+            if (comm.check or force_exchange) and g.size > 1:
+                result = _run_checked(g, name, seq, meta, body, ctx, pairwise, force_exchange)
+            else:
+                result = body(ctx)
         except PeerTimeout as exc:
-            if fused and ctx.fingerprint is not None:  # timed out before everyone had arrived
-                exc = PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing, never_arrived=True)
-            elif fused and not local:  # across hosts: ask the store who called it at all
-                exc = _who_arrived(g, f"c/{g.gid}/{seq}", payload, exc)
             err = _timeout_error(name, seq, g, exc)
             comm.monitor.end(entry, ctx.sent_bytes, err)
             raise err from None
@@ -177,6 +129,69 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
     g.drain()
     execute()
     return None
+
+
+def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Callable[[Ctx], Any], ctx: Ctx,
+                 pairwise: Any, force_exchange: bool) -> Any:
+    """``body(ctx)`` with the metadata check (module docstring): fused into the shm steps, on the
+    group's board, beside a native op or through the store before it. A PeerTimeout raised here
+    names the ranks that never arrived where that can be told."""
+    comm = g.comm
+    deadline = ctx.deadline
+    # A group in one host's shared memory checks a fingerprint in the step where its members
+    # meet anyway: the shm collectives' first step, or one step of that protocol before others.
+    # The hierarchical collectives across hosts of the shm transport check it in their steps.
+    local = g.on_shared_memory  # shm_direct.usable(ctx), asked once per group
+    # (an all_to_all's pairs differ by rank: the shm one checks them from its headers itself)
+    own_pairs = pairwise is not None and local and meta.get("algorithm") == "shm"
+    fused = not force_exchange and (pairwise is None or own_pairs) and (
+        local or (meta.get("algorithm") == "hierarchical" and hierarchical.checks_itself(ctx, comm.node_size)))
+    # A torch-transport group on one host checks on its shared board (comm/check_board.py).
+    board = board_of(g) if not fused else None
+    plain_native = not force_exchange and pairwise is None and meta.get("algorithm") == "native"
+    beside = not fused and board is None and plain_native
+    ahead = board is not None and plain_native
+    payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
+    try:
+        if fused:
+            ctx.fingerprint = fingerprint(payload if pairwise is None else json.dumps(
+                {"meta": meta, "pair": None}, sort_keys=True))
+        elif board is not None:  # the pairs differ by rank: they go through the store below
+            fp = fingerprint(payload if pairwise is None else json.dumps({"meta": meta, "pair": None},
+                                                                         sort_keys=True))
+            board.post(seq, fp, deadline)
+        elif not beside:
+            payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+            _compare(name, seq, g, payloads)
+        try:
+            if fused and local and meta.get("algorithm") != "shm":
+                shm_direct.check_only(ctx)
+            if ahead:  # torch's op as soon as every peer that posted matches (check_board.Ahead)
+                result = _native_ahead(board, seq, fp, f"{name} #{seq}", deadline, body, ctx)
+            else:
+                if board is not None:  # meshtrain's algorithms over torch p2p: checked first
+                    board.settle(seq, fp, deadline, f"{name} #{seq}")
+                    if pairwise is not None or force_exchange:
+                        _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
+                                                                       g.timeout))
+                result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
+        except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
+            payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+            _compare(name, seq, g, payloads)
+            raise CollectiveMismatch(f"{name} #{seq} on group {g.gid}: the ranks' metadata fingerprints "
+                                     f"differ but their metadata does not (a bug; please report it)") from None
+        finally:
+            if board is not None:
+                board.compared(seq)
+        if fused and ctx.fingerprint is not None:
+            raise RuntimeError(f"bug: {name} on shared memory never checked the call's fingerprint")
+    except PeerTimeout as exc:
+        if fused and ctx.fingerprint is not None:  # timed out before everyone had arrived
+            raise PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing, never_arrived=True) from None
+        if fused and not local:  # across hosts: ask the store who called it at all
+            raise _who_arrived(g, f"c/{g.gid}/{seq}", payload, exc) from None
+        raise
+    return result
 
 
 def _native_ahead(board: check_board.CheckBoard, seq: int, fp: int, what: str, deadline: float,

@@ -365,7 +365,7 @@ def candidates(group, op: str, nbytes: int, native_ok: bool, static: str) -> lis
     valid = algorithms_for(op, t.kind)
     nodes = len(set(group.hosts))
     out = [static]
-    if native_ok and capabilities(t).native_collectives and "native" in valid:
+    if native_ok and capabilities(t).native_collectives and "native" in valid and _native_safe(group, op, nbytes):
         out.append("native")
     if "shm" in valid and group.on_shared_memory:
         out.append("shm")
@@ -379,6 +379,17 @@ def candidates(group, op: str, nbytes: int, native_ok: bool, static: str) -> lis
         if n not in seen:
             seen.append(n)
     return seen[:MAX_CANDIDATES]
+
+
+def _native_safe(group, op: str, nbytes: int) -> bool:
+    """True where torch's own collective may run under the metadata check: the check off, or run
+    before the data (a board: ``check_board.checks_first``), or where ``NATIVE_FROM_GLOO`` already
+    takes it with the check beside. Elsewhere a mismatched call could end a process inside gloo
+    before the check names it (see the rules above), so online selection does not try it there."""
+    if not group.comm.check or check_board.checks_first(group):
+        return True
+    lo, hi = NATIVE_FROM_GLOO.get(op, (math.inf, math.inf))
+    return lo <= nbytes < hi
 
 
 def crossovers(model: CostModel, op: str, p: int, nodes: int = 1,

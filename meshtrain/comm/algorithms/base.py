@@ -50,13 +50,15 @@ class Ctx:
         counter: list[int] | None = None,
     ) -> None:
         self.transport = transport
-        self.ranks = list(ranks)
+        # A group's own lists are taken as they are (no algorithm changes them): the copies cost
+        # ~0.5 us of every call's front end.
+        self.ranks = ranks if type(ranks) is list else list(ranks)
         self.rank = rank
         self.size = len(self.ranks)
         self.tag = tag
         self.deadline = deadline
         self.pool = pool
-        self.hosts = list(hosts) if hosts is not None else ["localhost"] * self.size
+        self.hosts = (hosts if type(hosts) is list else list(hosts)) if hosts is not None else ["localhost"] * self.size
         self._counter = counter if counter is not None else [0]
         # The call's metadata fingerprint, when the algorithm checks it itself in its first
         # synchronisation (the shm collectives); the algorithm sets it to None once checked.
