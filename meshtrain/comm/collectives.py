@@ -118,7 +118,12 @@ def _gathered(g: Group, algo: str, inp: torch.Tensor, outs: list[torch.Tensor] |
     run = implementation("all_gather", algo)
 
     def body(ctx: Ctx) -> list[torch.Tensor]:
-        run(ctx, g, inp, outs, whole)
+        if ctx.size == 1:  # a group of one (a mesh axis of size 1): the gather is a copy
+            dst = whole if whole is not None else outs[0]  # type: ignore[index]
+            if dst.data_ptr() != inp.data_ptr():
+                dst.copy_(inp.reshape(dst.shape))
+        else:
+            run(ctx, g, inp, outs, whole)
         return outs if result is None else result
 
     return body
@@ -165,6 +170,10 @@ def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins
     run = implementation("reduce_scatter", algo)
 
     def body(ctx: Ctx) -> torch.Tensor:
+        if ctx.size == 1:  # a group of one: its reduction is its input (an average over one, too)
+            if out.data_ptr() != ins[0].data_ptr():
+                out.copy_(ins[0].reshape(out.shape))
+            return out
         mine = run(ctx, g, out, ins, rop)  # in the working dtype: AVG divides before rounding
         finish_avg(mine, rop, g.size)
         if mine is not out:
