@@ -121,7 +121,7 @@ def _gathered(g: Group, algo: str, inp: torch.Tensor, outs: list[torch.Tensor] |
         if ctx.size == 1:  # a group of one (a mesh axis of size 1): the gather is a copy
             dst = whole if whole is not None else outs[0]  # type: ignore[index]
             if dst.data_ptr() != inp.data_ptr():
-                dst.copy_(inp.reshape(dst.shape))
+                dst.copy_(inp.view(dst.shape) if inp.is_contiguous() else inp.reshape(dst.shape))
         else:
             run(ctx, g, inp, outs, whole)
         return outs if result is None else result
@@ -160,7 +160,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     whole = output_tensor.view(-1)
     n = input_tensor.numel()
     # torch's own op gathers straight into the flat output: no per-rank views to make (3 us a call)
-    outs = None if algo == "native" else [whole[i * n : (i + 1) * n] for i in range(g.size)]
+    outs = None if algo == "native" or g.size == 1 else [whole[i * n : (i + 1) * n] for i in range(g.size)]
     body = _gathered(g, algo, input_tensor, outs, whole, result=[output_tensor])
     return runner.run(g, "all_gather_into_tensor", call_meta([input_tensor.shape], input_tensor.dtype, algo), body, async_op, nbytes)
 
