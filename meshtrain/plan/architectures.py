@@ -63,6 +63,11 @@ class Arch:
     share of the tokens."""
     mla: Mla | None = None
     """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+    norm: str = "rmsnorm"
+    """"rmsnorm" (Llama: eager PyTorch runs it as a composite of fp32 kernels) or "layernorm" (GPT,
+    MPT: ``F.layer_norm``, one fused kernel even eagerly): what ``torch.compile`` can save (compute.py)."""
+    rotary: bool = True
+    """Rotary position embeddings on q and k (Llama); False for learned or ALiBi positions (GPT, MPT)."""
 
     @property
     def is_moe(self) -> bool:
@@ -193,7 +198,8 @@ ARCHS: dict[str, Arch] = {
     "llama3-405b": Arch("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
     # GPT-3 175B (Brown et al. 2020): 96 layers, d=12288, 96 heads, 4d MLP; Megatron's strong-scaling
     # run uses a larger vocabulary ("slightly more than 175 billion parameters"), 131072 here.
-    "gpt-175b": Arch("gpt-175b", 96, 12288, 96, 96, 4 * 12288, 131072, gated_mlp=False),
+    "gpt-175b": Arch("gpt-175b", 96, 12288, 96, 96, 4 * 12288, 131072, gated_mlp=False, norm="layernorm",
+                     rotary=False),
     # Qwen3-30B-A3B (its config.json on the Hugging Face hub): 48 layers, hidden 2048, 32 query heads
     # of head_dim 128 (q is 4096 wide), 4 kv heads, 128 experts, top-8, moe_intermediate_size 768,
     # no shared experts, vocabulary 151936, untied head. (Its q/k RMSNorms, 256 scales a layer, are
@@ -209,6 +215,17 @@ ARCHS: dict[str, Arch] = {
                         moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=3,
                         mla=Mla(q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)),
 }
+
+
+# MosaicML's MPT models as llm-foundry benchmarked them (scripts/train/yamls/pretrain/mpt-*.yaml of
+# github.com/mosaicml/llm-foundry: d_model, n_heads, n_layers, expansion_ratio 4, vocab_size 50368):
+# GPT-style blocks (LayerNorm, a 4x GELU MLP, multi-head attention) with the embedding tied to the
+# output head. The benchmark table's NumParams also counts biases and a learned position table (it
+# grows by d_model per token of max_seq_len), left out here: under 0.4% of the parameters.
+MPT_SHAPES = {"mpt-1b": (24, 2048, 16), "mpt-3b": (32, 2560, 20), "mpt-7b": (32, 4096, 32),
+              "mpt-13b": (40, 5120, 40), "mpt-30b": (48, 7168, 56), "mpt-70b": (80, 8192, 64)}
+ARCHS.update({name: Arch(name, layers, dim, heads, heads, 4 * dim, 50368, gated_mlp=False, tie_embeddings=True,
+                         norm="layernorm", rotary=False) for name, (layers, dim, heads) in MPT_SHAPES.items()})
 
 
 def from_llama_config(name: str, cfg: LlamaConfig) -> Arch:

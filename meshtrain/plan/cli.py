@@ -35,16 +35,20 @@ def _number(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``meshtrain plan`` options."""
-    parser.add_argument("--model", required=True, help="a model preset (meshtrain's or llama3-8b/70b/405b, "
-                        "gpt-175b, qwen3-30b-a3b, deepseek-v3) or a JSON file of LlamaConfig fields")
-    parser.add_argument("--cluster", required=True, help="h100, h200, a100, h100-gt500, this-host, or a TOML file")
-    parser.add_argument("--gpus", type=_whole_number, required=True, help="GPUs (ranks) in all")
+    parser.add_argument("--model", help="a model preset (meshtrain's or llama3-8b/70b/405b, gpt-175b, mpt-1b ... "
+                        "mpt-70b, qwen3-30b-a3b, deepseek-v3) or a JSON file of LlamaConfig fields (required but for "
+                        "--validate)")
+    parser.add_argument("--cluster", help="h100, h200, a100, a100-40gb, h100-gt500, this-host, or a TOML file")
+    parser.add_argument("--gpus", type=_whole_number, help="GPUs (ranks) in all")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--layout", action="append", help="e.g. dp=32,tp=8 or dp=8,tp=8,pp=8,m=16,v=2,interleaved "
                        "or, for a mixture of experts, dp=16,ep=8 (repeat to compare several)")
     group.add_argument("--search", action="store_true", help="enumerate layouts and rank those that fit")
-    parser.add_argument("--global-batch", type=_whole_number, required=True, help="sequences per step")
-    parser.add_argument("--seq", type=_whole_number, required=True, help="tokens per sequence")
+    group.add_argument("--validate", action="store_true", help="print the planner's validation table: its "
+                       "predictions of published runs (docs/plan.md) and the error summary; takes no other flag "
+                       "but --json")
+    parser.add_argument("--global-batch", type=_whole_number, help="sequences per step")
+    parser.add_argument("--seq", type=_whole_number, help="tokens per sequence")
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="compute precision (default bf16)")
     parser.add_argument("--ac", choices=AC_MODES, default=None, help="activation checkpointing (search: least that fits)")
     parser.add_argument("--zero-stage", type=_whole_number, choices=(0, 1, 2, 3), default=None,
@@ -54,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "optimizer = fp32 masters and AdamW state on the host, stepped by its CPUs; params = also "
                         "ZeRO-3's parameter shards (search: only the ZeRO stages it allows)")
     parser.add_argument("--compile", action="store_true", help="element-wise ops fused (torch.compile)")
+    parser.add_argument("--async-tp", action="store_true", help="the runtime overlaps tensor-parallel collectives "
+                        "with matmuls (torchtitan's async TP, Megatron's --tp-comm-overlap): price tp > 1 layouts "
+                        "with it (meshtrain train has none)")
     parser.add_argument("--top", type=_whole_number, default=10, help="layouts to show with --search")
     parser.add_argument("--memory-margin", type=_number, default=DEFAULT_MEMORY_MARGIN,
                         help="fraction of a rank's memory kept free: a layout fits if its predicted peak is at most "
@@ -69,6 +76,13 @@ def run(args: argparse.Namespace, warn: list[str] | None = None) -> str:
     """The command's output (a header line and the table, or JSON); raises ConfigError on bad input,
     before anything is written. Warnings (tp across nodes, a partial node allowed) go to ``warn``."""
     warn = warn if warn is not None else []
+    if getattr(args, "validate", False):
+        return _validate(args)
+    for flag, value in (("--model", args.model), ("--cluster", args.cluster), ("--gpus", args.gpus),
+                        ("--global-batch", args.global_batch), ("--seq", args.seq)):
+        if value is None:
+            raise ConfigError(f"{flag} is required with --layout or --search (e.g. --model llama3-8b --cluster h100 "
+                              f"--gpus 8 --global-batch 16 --seq 8192); only --validate runs without it")
     check_sizes(args.gpus, args.global_batch, args.seq)  # the flags first: then the (slower) files
     margin = check_memory_margin(args.memory_margin)
     check_top(args.top)
@@ -79,11 +93,13 @@ def run(args: argparse.Namespace, warn: list[str] | None = None) -> str:
     fixed = {k: v for k, v in (("precision", args.precision), ("ac", args.ac), ("zero_stage", args.zero_stage),
                                ("schedule", args.schedule), ("offload", args.offload)) if v is not None}
     fixed["compile"] = args.compile
+    if getattr(args, "async_tp", False):
+        fixed["async_tp"] = True
     if args.search:
         preds = search(arch, cluster, args.gpus, args.global_batch, args.seq, fixed, top=args.top,
                        memory_margin=margin)
     else:
-        preds = [replace(predict(arch, cluster, _with_world(parse_layout(text, **fixed), args.gpus),
+        preds = [replace(predict(arch, cluster, _with_world(_layout(text, fixed), args.gpus),
                                  args.global_batch, args.seq), memory_margin=margin) for text in args.layout]
         preds.sort(key=lambda p: p.step_time)
     for tp in sorted({p.layout.tp for p in preds}):
@@ -95,6 +111,29 @@ def run(args: argparse.Namespace, warn: list[str] | None = None) -> str:
     if args.json:
         return to_json(preds, context)
     return header(preds, context) + "\n" + table(preds)
+
+
+def _layout(text: str, fixed: dict) -> Layout:
+    """A --layout with the flags' settings; --async-tp applies where the layout can overlap (tp > 1 with
+    sequence parallelism), unless the layout says atp itself."""
+    async_tp = fixed.get("async_tp", False)
+    layout = parse_layout(text, **{k: v for k, v in fixed.items() if k != "async_tp"})
+    if async_tp and "atp=" not in text and "async_tp=" not in text and layout.sp:
+        layout = replace(layout, async_tp=True)
+    return layout
+
+
+def _validate(args: argparse.Namespace) -> str:
+    """``--validate``: the published-run table and its summary (``published.py``), or JSON."""
+    import json
+
+    from . import published
+
+    rows, left, s = published.validate()
+    if args.json:
+        return json.dumps({"rows": rows, "left_out": left, "summary": s}, default=str)
+    return "\n\n".join([published.markdown(rows), published.summary_text(s),
+                         "Left out: " + published.LEFT_OUT_WHY, published.markdown(left)])
 
 
 def _with_world(layout: Layout, gpus: int) -> Layout:

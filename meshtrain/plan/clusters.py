@@ -52,7 +52,14 @@ class Cluster:
     matmul_efficiency: float = 0.7
     """Fraction of peak that large matmuls reach."""
     attention_efficiency: float = 0.5
-    """Fraction of peak that fused (flash) attention reaches."""
+    """Fraction of ``peak_flops`` torch's flash attention (FlashAttention-2) reaches in its forward on
+    long (16K) causal sequences; shorter ones are slower by the kernel's measured length curve
+    (``compute.attention_rate``)."""
+    attention_bwd_efficiency: float = 0.5
+    """The same for its backward (FLOPs counted as 2.5x the forward's)."""
+    fused_attention_speedup: float = 1.0
+    """How much faster cuDNN's fused attention (Transformer Engine, Megatron: ``attn=cudnn``) runs than
+    FlashAttention-2 on this GPU (1.0: no measurement, taken as equal)."""
     hbm_efficiency: float = 0.7
     """Fraction of hbm_bandwidth that element-wise kernels reach."""
     fp8_speedup: float = 1.0
@@ -64,8 +71,9 @@ class Cluster:
     0: not modelled. Hopper: 720, fitted to DeepGEMM's published H800 FP8 table (README, 2025-02-25:
     4096-row GEMMs at K = 512, 1536, 2048, 7168, 16384 reach 590, 990, 1025-1099, 1288-1304, 1358
     TFLOPS), nothing else."""
-    eager_elementwise_passes: float = 3.0
-    """How many times more memory traffic eager element-wise ops move than fused (compiled) ones."""
+    eager_elementwise_passes: float = 1.0
+    """A scale on the bytes eager element-wise kernels are counted to move (``compute.ELEMENTWISE``:
+    each op class's eager kernels, counted from the code); 1.0 for every preset."""
     reserved_bytes: float = 2 * GiB
     """Memory not available to tensors: CUDA context, allocator fragmentation, NCCL buffers."""
     backend: str = "nccl"
@@ -138,7 +146,28 @@ HOST_DDR5 = {"pcie_bandwidth": 50e9, "host_adam_rate": host_adam_rate(614e9), "h
 """The host side of the Hopper presets: a DGX H100/H200 (see the h100 preset's comment)."""
 
 
+ATTN_FA2_FWD = 335e12 / 989e12
+"""FlashAttention-2's forward on an H100 SXM5 (700 W), 16K causal tokens, head dim 128, as a fraction of
+the bf16 peak: 335 TFLOP/s (FlashAttention-3 paper, arXiv 2407.08608, its H100 forward figure)."""
+ATTN_FA2_BWD = 322e12 / 989e12
+"""Its backward: 322 TFLOP/s (the same paper's backward figure, 16K tokens)."""
+CUDNN_OVER_FA2 = 1.6
+"""cuDNN's fused attention over FlashAttention-2 on the same H100: 539/335 forward, 516/322 backward."""
+H100_MATMUL = 0.70
+"""Large bf16 matmuls on a 700 W H100 SXM5, as a fraction of peak (set once, before any prediction)."""
+GT500_MATMUL = 0.55
+"""The same on torchtitan's Grand Teton H100 at its 500 W power limit (HBM2e): set with torchtitan's
+published 8B MFUs in mind (the rows marked fit in ``published_torchtitan``)."""
+GT500_CLOCK = GT500_MATMUL / H100_MATMUL
+"""A 500 W cap lowers the sustained clock of every tensor-core kernel alike: the Grand Teton's attention
+rates are the 700 W ones scaled by the ratio of the two matmul efficiencies."""
+
 PRESETS: dict[str, Cluster] = {
+    # Attention (all Hopper presets): FlashAttention-2's and cuDNN's measured rates on an H100 SXM5 at
+    # 700 W, head dim 128, 16K causal tokens (Shah et al., FlashAttention-3, arXiv 2407.08608, the
+    # figures "Attention forward/backward speed, head dim 128 (H100 80GB SXM5)"): FA2 335 TFLOP/s
+    # forward, 322 backward; cuDNN 539 and 516, i.e. 1.6x. As fractions of the 989 TFLOP/s peak:
+    # ATTN_FA2_FWD / ATTN_FA2_BWD below.
     # H100 SXM5 80 GB, 700 W: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3;
     # NVLink 4 (450 GB/s per direction; nccl-tests all-reduce busbw ~360 GB/s on 8 GPUs) and one
     # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~45 GB/s achieved).
@@ -147,29 +176,41 @@ PRESETS: dict[str, Cluster] = {
     # reaches, ~25 of 31.5 GB/s); two Xeon 8480C with 16 channels of DDR5-4800 (614 GB/s), 2 TB.
     "h100": _gpu("h100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=3.35e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
-                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6, gemm_k0=720,
-                 **HOST_DDR5, notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
+                 matmul_efficiency=H100_MATMUL, attention_efficiency=ATTN_FA2_FWD,
+                 attention_bwd_efficiency=ATTN_FA2_BWD, fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6,
+                 gemm_k0=720, **HOST_DDR5, notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
     "h200": _gpu("h200", gpus_per_node=8, memory_bytes=141e9, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=4.8e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
-                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.6, gemm_k0=720,
-                 **HOST_DDR5, notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
+                 matmul_efficiency=H100_MATMUL, attention_efficiency=ATTN_FA2_FWD,
+                 attention_bwd_efficiency=ATTN_FA2_BWD, fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6,
+                 gemm_k0=720, **HOST_DDR5, notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
     # A100 SXM4 80 GB: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s; NVLink 3 (~230 GB/s busbw) and one
     # 200 Gb/s HDR NIC per GPU (~22.5 GB/s achieved). No fp8. Host (DGX A100 640GB): PCIe Gen4 x16
     # (31.5 GB/s per direction, ~25 GB/s pinned), two EPYC 7742 with 16 channels of DDR4-3200
     # (410 GB/s), 2 TB.
     "a100": _gpu("a100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
                  hbm_bandwidth=2.0e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
-                 matmul_efficiency=0.70, attention_efficiency=0.5, fp8_speedup=1.0,
+                 matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5, fp8_speedup=1.0,
                  pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9), host_memory_bytes=2e12,
                  notes="A100 SXM4 80GB, NVLink 3 + 200G InfiniBand per GPU"),
+    # A100 SXM4 40 GB: the 80 GB part's compute and links with 40 GiB of HBM2 at 1.555 TB/s (the 40 GB
+    # datasheet); host as a DGX A100 320GB's (1 TB). MosaicML's A100 tables ran 8 of them a node with
+    # "1600 Gbps node-node interconnect (RoCE)": 8 x 200 Gb/s, one NIC per GPU, as the a100 preset.
+    "a100-40gb": _gpu("a100-40gb", gpus_per_node=8, memory_bytes=40 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
+                      hbm_bandwidth=1.555e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
+                      matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5,
+                      fp8_speedup=1.0, pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9),
+                      host_memory_bytes=1e12, notes="A100 SXM4 40GB, NVLink 3 + 200G per GPU"),
     # The hosts of torchtitan's published runs (Meta's Grand Teton): H100 with 96 GB of HBM2e at
     # 2.4 TB/s, run at the default 500 W power limit (lower sustained clocks than the 700 W h100),
     # 400 Gb/s RDMA per GPU.
     "h100-gt500": _gpu("h100-gt500", gpus_per_node=8, memory_bytes=96 * GiB, peak_flops=989e12,
                        fp32_flops=67e12, hbm_bandwidth=2.4e12, intra=Level(10e-6, 360e9),
-                       inter=Level(20e-6, 45e9), matmul_efficiency=0.55, attention_efficiency=0.4,
-                       fp8_speedup=1.6, gemm_k0=720, **HOST_DDR5,  # (its host taken as a DGX H100's)
+                       inter=Level(20e-6, 45e9), matmul_efficiency=GT500_MATMUL,
+                       attention_efficiency=ATTN_FA2_FWD * GT500_CLOCK,
+                       attention_bwd_efficiency=ATTN_FA2_BWD * GT500_CLOCK,
+                       fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6, gemm_k0=720, **HOST_DDR5,  # (its host taken as a DGX H100's)
                        notes="Grand Teton H100 96GB HBM2e at 500 W"),
 }
 
@@ -225,11 +266,13 @@ RULES: dict[str, _Rule] = {
     "fp32_flops": _Rule(float, above=0, example="67e12"),
     "hbm_bandwidth": _Rule(float, above=0, example="3.35e12 (bytes/s)"),
     "matmul_efficiency": _Rule(float, **_SHARE, example="0.7 (a fraction of peak_flops)"),
-    "attention_efficiency": _Rule(float, **_SHARE, example="0.5"),
+    "attention_efficiency": _Rule(float, **_SHARE, example="0.34"),
+    "attention_bwd_efficiency": _Rule(float, **_SHARE, example="0.33"),
+    "fused_attention_speedup": _Rule(float, least=1, example="1.6 (1.0: no measurement)"),
     "hbm_efficiency": _Rule(float, **_SHARE, example="0.7"),
     "fp8_speedup": _Rule(float, least=1, example="1.6 (1.0: no fp8)"),
     "gemm_k0": _Rule(float, least=0, example="720 (0: not modelled)"),
-    "eager_elementwise_passes": _Rule(float, least=1, example="3.0"),
+    "eager_elementwise_passes": _Rule(float, least=1, example="1.0"),
     "reserved_bytes": _Rule(float, least=0, example="2147483648 (2 GiB)"),
     "backend": _Rule(str, choices=("nccl", "host"), example='"nccl"'),
     "memory_shared": _Rule(bool, example="false"),

@@ -2,13 +2,12 @@
 ``auto`` would choose on the cluster's topology.
 
 Prices come from the comm library's own formulas (``meshtrain.comm.select.CostModel.predict``) for
-the flat algorithms (ring, tree, halving-doubling, recursive doubling), evaluated on the slowest
-link the group crosses, plus a two-level hierarchical algorithm priced per level (a step inside
-each node on ``intra``, a ring of nodes on ``inter``, one NIC per GPU so every rail runs in
-parallel). ``auto`` is the cheapest of them: what ``select.choose`` does from its cost model; on
-NCCL clusters it takes NCCL's native collectives, whose ring/tree choice these same formulas
-describe (NCCL's hierarchies serve all-reduce only: its reduce-scatter and all-gather cross nodes
-as rings). The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in
+the flat algorithms (ring, tree, halving-doubling, recursive doubling). On NCCL clusters (``auto``
+takes NCCL's native collectives) a group inside a node runs on NVLink; a group across nodes runs
+its rings on every NIC its members own at once (``cross_node_level``: k members a node drive k NICs),
+for all-reduce, reduce-scatter and all-gather alike. On meshtrain's own backend the flat algorithms
+run at the slowest link the group crosses, or its two-level hierarchical algorithm (a step inside
+each node on ``intra``, a ring of nodes on ``inter`` on each rail); ``auto`` is the cheapest. The mesh is ordered (dp_replicate, dp_shard, pp, cp, tp) with tp innermost, as in
 ``meshtrain.mesh`` (Megatron's pipeline-outermost order on request, to price its runs).
 """
 
@@ -97,11 +96,14 @@ def collective(op: str, nbytes: float, group: Group, cluster: Cluster) -> tuple[
     intra, inter = _model(cluster.intra, cluster), _model(cluster.inter, cluster)
     if group.nodes == 1:
         return _flat(op, nbytes, group.size, intra)
-    best = _flat(op, nbytes, group.size, inter)  # a flat ring runs at the slowest link's speed
     k, nodes = group.local, group.nodes
-    # NCCL's reduce-scatter and all-gather across nodes are rings (its tree and NVLS-tree
-    # hierarchies serve all-reduce only); meshtrain's hierarchical runs where auto picks it itself
-    if k > 1 and (cluster.backend != "nccl" or op == "all_reduce"):
+    if cluster.backend == "nccl":
+        # NCCL builds one ring (channel) per NIC: a group with k members on each node crosses each node
+        # boundary on k NICs at once, so its rings (and trees) move k x the inter-node bus bandwidth,
+        # up to the NVLink's (``cross_node_level``). All-reduce, reduce-scatter and all-gather alike.
+        return _flat(op, nbytes, group.size, _model(cross_node_level(cluster, k), cluster))
+    best = _flat(op, nbytes, group.size, inter)  # a flat ring runs at the slowest link's speed
+    if k > 1:  # meshtrain's own backend: its hierarchical algorithm where auto picks it
         # hierarchical: inside the node on the full buffer, across nodes (k rails at once) on 1/k of it
         if op == "all_reduce":
             t = (intra.predict("reduce_scatter", "ring", int(nbytes), k)
@@ -111,6 +113,19 @@ def collective(op: str, nbytes: float, group: Group, cluster: Cluster) -> tuple[
             t = intra.predict(op, "ring", int(nbytes), k) + _flat(op, nbytes / k, nodes, inter)[0]
         best = min(best, (t, "hierarchical"))
     return best
+
+
+def cross_node_level(cluster: Cluster, members_per_node: int) -> Level:
+    """The link a ring (or tree) of NCCL channels sees when its group spans nodes with
+    ``members_per_node`` members on each: NCCL opens a channel per NIC and, with one NIC per GPU
+    (rail-aligned), the group's k members drive k NICs, so the bus bandwidth is k x the per-NIC one,
+    capped by the NVLink the ring also runs through inside each node. nccl-tests shows this: all_reduce
+    across 8-GPU H100 nodes with a 400 Gb/s NDR NIC per GPU reaches a bus bandwidth of 400-450 GB/s
+    (Saturn Cloud, "Validating Multi-Node GPU Clusters with NCCL Tests",
+    https://saturncloud.io/blog/crusoe-nccl-cluster-validation), about 8 x the 45-50 GB/s of one NIC,
+    where one ring at one NIC's speed would reach 45. Latency: the inter-node one."""
+    bw = min(cluster.intra.bandwidth, max(1, members_per_node) * cluster.inter.bandwidth)
+    return Level(cluster.inter.latency, bw)
 
 
 def p2p(nbytes: float, same_node: bool, cluster: Cluster) -> float:

@@ -1,19 +1,29 @@
 """Per-layer roofline: the time one rank spends computing one micro-batch on its pipeline stage.
 
-Three kinds of work, each at its own roof: matmuls with weights (FLOPs at ``matmul_efficiency`` of
-peak, float8 ``fp8_speedup`` faster), causal attention (FLOPs at ``attention_efficiency``) and
-element-wise ops (norms, rotary, SwiGLU, residual adds: bytes at ``hbm_efficiency`` of the memory
-bandwidth, ``eager_elementwise_passes`` times more bytes unless compiled). Backward is twice the
-forward's matmuls (input and weight gradients), 2.5x its attention (flash-attention's backward
-recomputes the scores) and twice its element-wise traffic. Activation checkpointing adds forward
-work to the backward: ``full`` all of it, ``selective`` (meshtrain: every 2nd block) half of it,
-``op`` (torchtitan) the element-wise part only.
+Three kinds of work, each at its own roof:
+
+* matmuls with weights: FLOPs at ``matmul_efficiency`` of peak (float8 ``fp8_speedup`` faster);
+* causal attention: FLOPs at the attention kernel's measured rate (``attention_rate``: torch's flash
+  attention, FlashAttention-2, or cuDNN's fused attention; forward and backward apart, slower on short
+  sequences by the kernel's published length curve);
+* element-wise ops (norms, rotary, SwiGLU, residual adds): bytes at ``hbm_efficiency`` of the memory
+  bandwidth. What ``torch.compile`` saves is counted per op class (``ELEMENTWISE``): the bytes the
+  eager kernels of each class move against the one fused kernel's, so compile speeds up only the
+  element-wise part and only where eager runs several kernels (RMSNorm, rotary, SwiGLU), never the
+  matmuls or attention.
+
+Backward is twice the forward's matmuls (input and weight gradients), the attention kernel's backward
+(2.5x the forward's FLOPs, at its own rate) and twice its element-wise traffic. Ring attention (cp > 1)
+adds its per-step merge of partial outputs (``ring_merge_bytes``). Activation checkpointing adds forward
+work to the backward: ``full`` all of it, ``selective`` (meshtrain: every 2nd block) half of it, ``op``
+(torchtitan's selective op policy) the element-wise part and every second matmul of a block.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..train.metrics import flops_per_token
 from .architectures import Arch
@@ -52,14 +62,143 @@ def model_flops_per_token(arch: Arch, seq: int) -> float:
     return 6.0 * arch.flop_params() + 6.0 * arch.n_layers * (arch.q_dim + arch.o_dim) * seq
 
 
+# Attention kernels' measured length curves on an H100 SXM5, head dim 128, causal forward and
+# backward, TFLOP/s at 512 ... 16K tokens (Shah et al., FlashAttention-3, arXiv 2407.08608, the figures
+# "Attention forward/backward speed, head dim 128 (H100 80GB SXM5)"). Only their shape is used: the
+# rate at L tokens over the rate at 16K (short causal sequences waste more of each tile on the mask
+# and leave a tail of idle SMs); the level is the cluster's efficiency.
+ATTN_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTN_CURVES = {("sdpa", "fwd"): (191, 260, 298, 319, 333, 335), ("sdpa", "bwd"): (214, 260, 291, 310, 318, 322),
+               ("cudnn", "fwd"): (315, 410, 484, 518, 529, 539), ("cudnn", "bwd"): (305, 408, 465, 499, 518, 516)}
+
+
+@lru_cache(maxsize=8192)
+def attention_rate(cluster: Cluster, layout: Layout, length: float, backward: bool = False) -> float:
+    """FLOP/s the attention kernel reaches on causal calls of ``length`` query tokens (for ring attention
+    a step's block, S/cp): the cluster's long-sequence efficiency (forward or backward) times the
+    kernel's length curve, times ``fused_attention_speedup`` for cuDNN's kernel (``attn=cudnn``). A
+    host (profiled or its roofline) takes its efficiency flat."""
+    peak = cluster.per_rank_peak(layout.world, layout.precision)
+    eff = cluster.attention_bwd_efficiency if backward else cluster.attention_efficiency
+    if layout.attn_kernel == "cudnn":
+        eff *= cluster.fused_attention_speedup
+    if cluster.memory_shared:
+        return peak * eff
+    curve = ATTN_CURVES[(layout.attn_kernel, "bwd" if backward else "fwd")]
+    x = math.log2(min(max(length, ATTN_LENGTHS[0]), ATTN_LENGTHS[-1]))
+    i = min(int(x) - 9, len(ATTN_LENGTHS) - 2)  # 2^9 = 512
+    rate = curve[i] + (curve[i + 1] - curve[i]) * (x - 9 - i)
+    return peak * eff * rate / curve[-1]
+
+
+def attention_backward_ratio(cluster: Cluster, layout: Layout, seq: int) -> float:
+    """Seconds of the attention backward per second of its forward: 2.5x the FLOPs (flash attention's
+    backward recomputes the scores: five matmuls to the forward's two) at the backward kernel's rate."""
+    length = seq / layout.cp
+    return 2.5 * attention_rate(cluster, layout, length) / attention_rate(cluster, layout, length, backward=True)
+
+
+def _upcast(a: int) -> int:
+    """Bytes an eager fp32 up-cast and the matching down-cast move per element of an ``a``-byte tensor
+    (x.float(): read a, write 4; .type_as(x): read 4, write a); nothing for fp32 tensors."""
+    return 2 * (a + 4) if a < 4 else 0
+
+
+def elementwise_bytes(op: str, a: int, eager: bool) -> float:
+    """Bytes one element-wise op class moves per element of its tensor (activation bytes ``a``), eager
+    or fused (one compiled kernel: read its inputs once, write its output once). Counted from the
+    kernels eager PyTorch launches for the code torchtitan and meshtrain run:
+
+    * rmsnorm: x.float() and .type_as() (``_upcast``), pow (r4 w4), mean (r4), x * rsqrt (r4 w4),
+      * weight (r a, w a): 36 bytes at bf16; fused r a + w a = 4;
+    * layernorm: ``F.layer_norm`` is one kernel even eagerly: 2a both ways;
+    * rotary (on q and k): up-cast, complex (or cos/sin) multiply r4 w4, down-cast: 20 at bf16; fused 2a;
+    * swiglu: silu (r a, w a) then the product (r 2a, w a): 5a; fused r 2a w a = 3a;
+    * gelu: one kernel, 2a both; residual add: r 2a w a = 3a both (nothing to fuse it with here)."""
+    counts = {"rmsnorm": (_upcast(a) + 20 + 2 * a, 2 * a), "layernorm": (2 * a, 2 * a),
+              "rotary": (_upcast(a) + 8, 2 * a), "swiglu": (5 * a, 3 * a), "gelu": (2 * a, 2 * a),
+              "residual": (3 * a, 3 * a)}
+    return counts[op][0 if eager else 1]
+
+
+def ring_merge_bytes(arch: Arch, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes per token of a block that ring attention's merging of partial results
+    moves on top of the attention kernel, for its cp - 1 steps after the first (PyTorch's
+    ``_SDPAMerger``, in fp32 and eager even under compile): forward per output element, the block's
+    output up-cast (a + 4) and ``out - sigmoid(lse_b - lse) * (out - out_b)`` (three fp32 passes, 32
+    bytes); backward, per element of dq, dk and dv, the step's gradient up-cast and added into its
+    fp32 accumulator (a + 4 + 12)."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    a = ACT_BYTES[layout.precision]
+    up = a + 4 if a < 4 else 0
+    steps = layout.cp - 1
+    q, kv = arch.o_dim / layout.tp, arch.kv_dim / min(layout.tp, arch.n_kv_heads)
+    return steps * q * (up + 32), steps * (q + 2 * kv) * (up + 12)
+
+
+@lru_cache(maxsize=8192)
+def elementwise_per_token(arch: Arch, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
+    """Forward bytes of one block's element-wise ops per token on this rank: two norms and two residual
+    adds on the residual stream (split over tp only with sequence parallelism), rotary on q and k, the
+    MLP's activation (tp-split); for a MoE block its SwiGLUs and row copies (``moe_elementwise``). Eager
+    counts times ``eager_elementwise_passes`` (1.0 on the presets), unless compiled."""
+    a, eager = ACT_BYTES[layout.precision], not layout.compile
+    stream = arch.dim / (layout.tp if layout.sp else 1)
+    total = 2 * stream * (elementwise_bytes(arch.norm, a, eager) + elementwise_bytes("residual", a, eager))
+    if arch.rotary:
+        total += (arch.q_dim + arch.kv_dim) / layout.tp * elementwise_bytes("rotary", a, eager)
+    if moe:
+        from .moe import moe_elementwise, routed_rows  # moe builds on this module
+
+        swiglu = 3 * arch.shared_ffn / layout.tp + routed_rows(arch, layout) * 3 * arch.expert_ffn
+        # the SwiGLUs fuse like a dense one; the row copies (gathers, sorts, the combine) are one kernel each
+        total += swiglu / 3 * elementwise_bytes("swiglu", a, eager) + (moe_elementwise(arch, layout) - swiglu) * a
+    else:
+        total += arch.ffn_dim / layout.tp * elementwise_bytes("swiglu" if arch.gated_mlp else "gelu", a, eager)
+    if layout.precision == "fp8":
+        total += fp8_cast_bytes_per_token(arch, layout, moe)
+    return total * (cluster.eager_elementwise_passes if eager else 1.0)
+
+
+FP8_CAST_BYTES = 2 * 2 + 1 + 2
+"""Bytes per element of one float8 operand with dynamic per-tensor ("tensorwise", TE's current)
+scaling, bf16 in: its amax (read 2), the scaled cast (read 2, write 1), and the transposed fp8 copy
+Hopper's fp8 GEMM needs for the other gradient (read 1, write 1). The amax must finish before the
+cast, so compile cannot fold the passes into one (torchao's float8 training, which torchtitan runs)."""
+
+
+def fp8_cast_bytes_per_token(arch: Arch, layout: Layout, moe: bool = False) -> float:
+    """Bytes per token of one block that float8 training's casts move on top of the bf16 element-wise
+    work: every linear casts its input in forward and its output gradient in backward (counted in the
+    forward's budget at a third, since the element-wise backward is priced at twice the forward).
+    Under tensor parallelism each rank casts its own share: the sequence-parallel shard of a
+    column-parallel input before the all-gather (torchao's ``Float8ColwiseParallel``), the tp-split
+    widths elsewhere. Each matmul of ``matmul_chain`` is taken as dim on one side (MLA's low-rank
+    projections approximately so). A MoE block adds its experts' rows: fc1 (dim in, 2 x width out)
+    and fc2 (width in, dim out)."""
+    stream = arch.dim / (layout.tp if layout.sp else 1)
+    # per matmul: its dim-wide side (tp-split with sequence parallelism) and its other, tp-split side
+    elements = sum(params / arch.dim / layout.tp + stream for params in matmul_chain(arch, moe))
+    if moe:
+        from .moe import routed_rows  # moe builds on this module
+
+        rows = routed_rows(arch, layout) + (arch.n_shared_experts > 0) / layout.tp
+        elements += rows * (2 * arch.dim + 3 * arch.expert_ffn)
+    return elements / 3 * FP8_CAST_BYTES
+
+
 def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int,
                         moe: bool = False) -> tuple[float, float, float]:
     """Forward seconds of one block (a MoE block if ``moe``) on ``tokens`` tokens of this rank:
-    (matmul, attention, element-wise)."""
+    (matmul, attention, element-wise). Ring attention's forward merge is in the element-wise part."""
     peak = cluster.per_rank_peak(layout.world, layout.precision)
     # a MoE block's active weights: each tp rank routes 1/tp of the tokens to top_k whole experts,
     # so its routed FLOPs split over tp like the tp-split attention and shared experts
     mm_flops = 2.0 * arch.active_matmul_params_per_layer(moe) / layout.tp * tokens
+    # narrow matmuls (small reduction dims: tp-split widths, small models) run slower (``dense_gemm_factors``)
+    chain_flops = 2.0 * sum(matmul_chain(arch, moe)) / layout.tp * tokens
+    mm_flops += chain_flops * (dense_gemm_factors(arch, layout, cluster, tokens, moe)[0] - 1.0)
     if moe:  # the routed experts' grouped GEMMs run slower than large GEMMs (small reduction dims)
         from .moe import grouped_gemm_slowdown  # moe builds on this module
 
@@ -68,24 +207,77 @@ def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: in
     mm_rate = peak * cluster.matmul_efficiency * (cluster.fp8_speedup if layout.precision == "fp8" else 1.0)
     # causal: each query attends to half the keys on average; QK^T and AV are 2·S·q and 2·S·o FLOPs
     # per token when not causal (q = o = d but for wide heads or MLA). With cp each rank holds S/cp
-    # queries against all S keys.
+    # queries against all S keys (load-balanced: each ring step does 1/cp of the rank's work).
     attn_flops = seq * (arch.q_dim + arch.o_dim) / layout.tp * tokens
-    attn_rate = peak * cluster.attention_efficiency
-    act = ACT_BYTES[layout.precision]
-    # residual-stream ops (2 norms read+write, 2 residual adds read 2 write 1) are split over tp
-    # only with sequence parallelism; the head-split ones (rotary on q and k, SwiGLU) always are.
-    stream = 10 * arch.dim / (layout.tp if layout.sp else 1)
-    split = 2 * (arch.q_dim + arch.kv_dim) / layout.tp
-    if moe:
-        from .moe import moe_elementwise  # moe builds on this module
+    attn = attn_flops / attention_rate(cluster, layout, seq / layout.cp)
+    merge_f, _ = ring_merge_bytes(arch, layout)
+    elem_bytes = (elementwise_per_token(arch, layout, cluster, moe) + merge_f) * tokens
+    return mm_flops / mm_rate, attn, elem_bytes / cluster.per_rank_bandwidth(layout.world)
 
-        split += moe_elementwise(arch, layout)
+
+@lru_cache(maxsize=256)
+def matmul_chain(arch: Arch, moe: bool = False) -> tuple[float, ...]:
+    """A dense block's weight matmuls in the order its forward runs them (parameters each): attention's
+    q, k, v and output projections (MLA: q down, q up, kv down, kv up, output), then the MLP's w1, w3,
+    w2 (SwiGLU) or fc1, fc2. A MoE block: its attention projections only (the grouped expert GEMMs are
+    not ``aten.mm`` calls, which torchtitan's policy below counts)."""
+    d = arch.dim
+    if arch.mla is not None:
+        m = arch.mla
+        attn = [d * m.q_lora_rank, m.q_lora_rank * arch.q_dim, d * (m.kv_lora_rank + m.qk_rope_dim),
+                m.kv_lora_rank * arch.n_heads * (m.qk_nope_dim + m.v_head_dim), arch.o_dim * d]
     else:
-        split += (3 if arch.gated_mlp else 2) * arch.ffn_dim / layout.tp
-    passes = 1.0 if layout.compile else cluster.eager_elementwise_passes
-    elem_bytes = (stream + split) * act * passes * tokens
-    elem_rate = cluster.per_rank_bandwidth(layout.world)
-    return mm_flops / mm_rate, attn_flops / attn_rate, elem_bytes / elem_rate
+        attn = [d * arch.q_dim, d * arch.kv_dim, d * arch.kv_dim, arch.o_dim * d]
+    if moe:
+        return tuple(attn)
+    mlp = [d * arch.ffn_dim] * 3 if arch.gated_mlp else [d * arch.ffn_dim] * 2
+    return tuple(attn + mlp)
+
+
+def op_recomputed_matmul_share(arch: Arch, moe: bool = False) -> float:
+    """Of a block's forward matmul FLOPs, the share torchtitan's selective op checkpointing recomputes:
+    its policy saves every ``aten.mm`` output but every second one of each block (torchtitan
+    ``parallelize_llama._apply_ac_to_transformer_block``: ``mm_count % 2 == 0`` recomputed), so the 2nd,
+    4th, 6th ... matmuls of ``matmul_chain`` run again in backward (Llama: wk, wo, w3). 0 for a MoE block
+    (its experts' grouped GEMMs are kept; only its element-wise work is recomputed)."""
+    if moe:
+        return 0.0
+    chain = matmul_chain(arch)
+    return sum(chain[1::2]) / arch.matmul_params_per_layer()
+
+
+@lru_cache(maxsize=8192)
+def dense_gemm_factors(arch: Arch, layout: Layout, cluster: Cluster, tokens: float,
+                       moe: bool = False) -> tuple[float, float]:
+    """(forward, backward) time factors (>= 1) of a block's weight matmuls (a MoE block: its attention
+    projections) from their small reduction dimensions, the law ``moe.grouped_gemm_slowdown`` applies to
+    experts: a GEMM reducing over K runs at K / (K + k0) of its long-K rate (``gemm_k0``, fitted to
+    DeepGEMM's kernel table), relative to K = ``GEMM_K_REF`` (4096) and never faster than
+    ``matmul_efficiency``. Per matmul of ``matmul_chain`` on this rank: forward K = its input width
+    (the full dim for a column-parallel one, its tp share for a row-parallel one), input gradient K =
+    its output width, weight gradient K = the tokens; FLOP-weighted."""
+    if not cluster.gemm_k0:
+        return 1.0, 1.0
+    from .moe import GEMM_K_REF  # moe builds on this module
+
+    k0 = cluster.gemm_k0 / (1.0 if layout.precision == "fp8" else cluster.fp8_speedup)
+
+    def slow(k: float) -> float:
+        return max(1.0, (GEMM_K_REF / (GEMM_K_REF + k0)) / (k / (k + k0)))
+
+    chain = matmul_chain(arch, moe)
+    n_mlp = 0 if moe else (3 if arch.gated_mlp else 2)
+    rows = (len(chain) - n_mlp - 1, len(chain) - 1)  # attention's output projection, the MLP's last
+    fwd = bwd = 0.0
+    for i, params in enumerate(chain):
+        if i in rows:  # row-parallel: reads its tp share, writes the full dim
+            k_in, k_out = params / arch.dim / layout.tp, arch.dim
+        else:
+            k_in, k_out = arch.dim, params / arch.dim / layout.tp
+        fwd += params * slow(k_in)
+        bwd += params * (slow(k_out) + slow(tokens)) / 2
+    total = sum(chain)
+    return fwd / total, bwd / total
 
 
 def head_forward(arch: Arch, layout: Layout, cluster: Cluster, tokens: int) -> float:
@@ -113,6 +305,23 @@ def _pipeline_share(layout: Layout, cores: int) -> float:
     return max(1.0, busy / cores) / (layout.world / cores)
 
 
+def _backward_gemm_ratio(arch: Arch, layout: Layout, cluster: Cluster, tokens: float) -> float:
+    """Backward matmul seconds over twice the forward's, for the busiest stage's dense blocks: their
+    backward GEMMs reduce over other dimensions (``dense_gemm_factors``); 1 for MoE blocks and hosts."""
+    n_dense, n_moe = _layer_mix(arch, layout)
+    if n_moe or cluster.memory_shared:
+        return 1.0
+    fwd, bwd = dense_gemm_factors(arch, layout, cluster, tokens)
+    return bwd / fwd
+
+
+def _layer_mix(arch: Arch, layout: Layout) -> tuple[int, int]:
+    """(dense, MoE) blocks of the busiest stage (``moe.stage_layer_mix``)."""
+    from .moe import stage_layer_mix  # moe builds on this module
+
+    return stage_layer_mix(arch, layout)
+
+
 def _mean_block(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int) -> tuple[float, float, float]:
     """(matmul, attention, element-wise) forward seconds of the busiest stage's mean block: its
     dense and MoE blocks mixed (all dense for a dense model)."""
@@ -134,7 +343,11 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
     n = stage_layers(arch, layout)
     mm, attn, elem = _mean_block(arch, layout, cluster, tokens, seq)
     fwd_layer = mm + attn + elem
-    bwd_layer = 2 * mm + 2.5 * attn + 2 * elem
+    merge_f, merge_b = ring_merge_bytes(arch, layout)  # ring attention: forward merge is in elem
+    elem_b = 2 * (elem - merge_f * tokens / cluster.per_rank_bandwidth(layout.world)) + \
+        merge_b * tokens / cluster.per_rank_bandwidth(layout.world)
+    bwd_layer = 2 * mm * _backward_gemm_ratio(arch, layout, cluster, tokens) + \
+        attention_backward_ratio(cluster, layout, seq) * attn + elem_b
     head_f = head_forward(arch, layout, cluster, tokens)
     head_b = 2 * head_f
     measured = False
@@ -152,7 +365,10 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
         head_f, head_b = head_seconds(arch, layout.tp, tokens, threads, layout.world)
         share = _pipeline_share(layout, cluster.cores)
         fwd_layer, bwd_layer, head_f, head_b = (t * share for t in (fwd_layer, bwd_layer, head_f, head_b))
-    recompute_layer = {"none": 0.0, "full": fwd_layer, "selective": fwd_layer / 2, "op": elem}[layout.ac]
+    n_dense, n_moe = _layer_mix(arch, layout)
+    op_share = n_dense * op_recomputed_matmul_share(arch) / max(n_dense + n_moe, 1)
+    recompute_layer = {"none": 0.0, "full": fwd_layer, "selective": fwd_layer / 2,
+                       "op": elem + op_share * mm}[layout.ac]
     forward = n * fwd_layer + head_f
     recompute = n * recompute_layer
     backward = n * bwd_layer + recompute + head_b

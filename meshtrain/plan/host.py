@@ -151,8 +151,8 @@ def this_host(peak: float | None = None, bandwidth: float | None = None, base_me
     # ones); the bandwidth is measured with an eager op already, so hbm_efficiency is 1.
     return Cluster(name="this-host", gpus_per_node=720720, memory_bytes=float(ram), peak_flops=host_peak,
                    fp32_flops=host_peak, hbm_bandwidth=rate, intra=level, inter=level,
-                   matmul_efficiency=0.8, attention_efficiency=0.3, hbm_efficiency=1.0,
-                   eager_elementwise_passes=3.0, reserved_bytes=1 * GiB, backend="host",
+                   matmul_efficiency=0.8, attention_efficiency=0.3, attention_bwd_efficiency=0.3,
+                   hbm_efficiency=1.0, eager_elementwise_passes=1.0, reserved_bytes=1 * GiB, backend="host",
                    memory_shared=True, profile_compute=True, cores=os.cpu_count() or 1, reduce_gamma=model.gamma,
                    base_memory_bytes=base, notes=f"this host, cost model {model.source}")
 

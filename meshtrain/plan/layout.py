@@ -19,6 +19,9 @@ AC_MODES = ("none", "selective", "op", "full")
 """none; selective: meshtrain's (every 2nd block fully checkpointed); op: torchtitan's selective op
 (matmul and attention outputs kept, element-wise ops recomputed); full: every block recomputed."""
 PRECISIONS = ("fp32", "bf16", "fp8")
+ATTN_KERNELS = ("sdpa", "cudnn")
+"""sdpa: torch's scaled_dot_product_attention (FlashAttention-2 inside); cudnn: cuDNN fused attention
+(Transformer Engine, Megatron)."""
 RANK_ORDERS = ("meshtrain", "megatron")
 """meshtrain: ranks laid out (dp, pp, cp, tp), tp innermost (``meshtrain.mesh``); megatron: pipeline
 outermost (Megatron-LM's tp-cp-ep-dp-pp), for pricing its published runs."""
@@ -67,6 +70,24 @@ class Layout:
     """Pipeline stages may hold different numbers of layers (n_layers not divisible by pp x v), as
     torchtitan and meshtrain train split them; Megatron refuses such a split, and so does the planner
     unless this is set. The busiest pipeline rank is priced with ceil(n_layers / pp) layers."""
+    async_tp: bool = False
+    """Async TP (torchtitan's ``enable_async_tensor_parallel``, Megatron's ``--tp-comm-overlap``): each
+    sequence-parallel all-gather and reduce-scatter is cut into tp pieces passed around the tp group while
+    the matmul that consumes (or produces) them runs on the pieces already there, so only what exceeds
+    that matmul is exposed. Needs tp > 1 with sequence parallelism; meshtrain's runtime has no async TP,
+    so ``--search`` tries it only when told the runtime does (``--async-tp``)."""
+    cp_allgather: bool = False
+    """Ring attention's K/V exchanged as one all-gather before the first step (PyTorch's
+    ``_RotateMethod.ALL_GATHER``, torchtitan's default) instead of passed step by step: hidden behind
+    the first step's attention only. For pricing a peer's run."""
+    attn_kernel: str = "sdpa"
+    """The attention kernel: "sdpa" (torch's scaled_dot_product_attention, whose flash backend is
+    FlashAttention-2: meshtrain, torchtitan, MosaicML) or "cudnn" (cuDNN's fused attention, which
+    Transformer Engine and so Megatron run: ``fused_attention_speedup`` faster on Hopper)."""
+    fsdp_pp: bool = False
+    """PyTorch FSDP2 under a pipeline (torch.distributed.pipelining, torchtitan): the stage's unsharded
+    weights and its unsharded fp32 gradients are kept across micro-batches and reduce-scattered once at
+    the last backward. meshtrain's ZeRO-3 reduce-scatters each micro-batch's gradients. Memory only."""
 
     @property
     def dp_shard(self) -> int:
@@ -128,6 +149,14 @@ class Layout:
             parts.append(f"rep={self.dp_replicate}")
         if self.overlap_param_gather and self.zero_stage in (1, 2):
             parts.append("opg=1")
+        if self.async_tp and self.tp > 1:
+            parts.append("atp=1")
+        if self.cp_allgather and self.cp > 1:
+            parts.append("cpag=1")
+        if self.attn_kernel != "sdpa":
+            parts.append(f"attn={self.attn_kernel}")
+        if self.fsdp_pp and self.zero_stage == 3 and self.pp > 1:
+            parts.append("fsdp=1")
         parts += [f"zero={self.zero_stage}"] + ([f"offload={self.offload}"] if self.offload != "none" else [])
         return ",".join(parts + [f"ac={self.ac}"])
 
@@ -137,8 +166,10 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "schedule": "schedule", "precision": "precision", "sp": "sequence_parallel", "rep": "dp_replicate",
          "dp_replicate": "dp_replicate", "opg": "overlap_param_gather",
          "overlap_param_gather": "overlap_param_gather", "ep": "ep", "epo": "ep_overlap", "ep_overlap": "ep_overlap",
-         "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven"}
-_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven")
+         "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven",
+         "atp": "async_tp", "async_tp": "async_tp", "cpag": "cp_allgather", "cp_allgather": "cp_allgather",
+         "attn": "attn_kernel", "attn_kernel": "attn_kernel", "fsdp": "fsdp_pp", "fsdp_pp": "fsdp_pp"}
+_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "cp_allgather", "fsdp_pp")
 """Layout fields written 1 or 0 (true/false, on/off)."""
 
 MAX_GPUS = 1 << 20
@@ -162,7 +193,7 @@ def parse_layout(text: str, **defaults) -> Layout:
         if field in given:  # the last would silently win: say which one the user meant
             raise ConfigError(f"--layout {text!r}: {given[field]!r} and {part!r} both set {field}; keep one")
         given[field] = part
-        if field in ("ac", "schedule", "precision", "rank_order", "offload"):
+        if field in ("ac", "schedule", "precision", "rank_order", "offload", "attn_kernel"):
             values[field] = raw
         elif field in _FLAGS:
             flag = raw.lower()
@@ -261,6 +292,12 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         raise ConfigError(f"ac={layout.ac!r}: choose one of {', '.join(AC_MODES)}")
     if layout.rank_order not in RANK_ORDERS:
         raise ConfigError(f"order={layout.rank_order!r}: choose one of {', '.join(RANK_ORDERS)}")
+    if layout.attn_kernel not in ATTN_KERNELS:
+        raise ConfigError(f"attn={layout.attn_kernel!r}: choose one of {', '.join(ATTN_KERNELS)}")
+    if layout.async_tp and not layout.sp:
+        raise ConfigError("atp=1 (async TP) overlaps sequence parallelism's all-gathers and reduce-scatters: it "
+                          f"needs tp > 1 with sp=1, got tp={layout.tp}, sp={int(layout.sequence_parallel)}; use "
+                          "atp=0")
     if layout.precision not in PRECISIONS:
         raise ConfigError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if layout.zero_stage not in (0, 1, 2, 3):

@@ -77,10 +77,41 @@ def activation_bytes_per_token(arch: Arch, layout: Layout, moe: bool = False) ->
 
 
 def _op_recomputed_bytes_per_token(arch: Arch, layout: Layout, moe: bool) -> float:
-    """Of a block's activations, the element-wise outputs ``op`` checkpointing recomputes: the norms'
-    outputs and the SwiGLU products."""
+    """Of a MoE block's activations, the element-wise outputs ``op`` checkpointing recomputes: the
+    norms' outputs and the SwiGLU products."""
     mlp = moe_activations(arch, layout)[1] if moe else arch.ffn_dim / layout.tp
     return (2 * arch.dim / (layout.tp if layout.sp else 1) + mlp) * ACT_BYTES[layout.precision]
+
+
+def op_kept_bytes_per_token(arch: Arch, layout: Layout) -> float:
+    """Bytes a dense block keeps per token under torchtitan's selective op checkpointing: its input
+    (the residual stream), the attention kernel's output, and the outputs of every other matmul of
+    ``compute.matmul_chain`` (the 1st, 3rd, ...: Llama's wq, wv, w1, w2; the policy recomputes the
+    rest, ``compute.op_recomputed_matmul_share``). A column-parallel matmul's output is split over tp; a
+    row-parallel one (attention's output projection, the MLP's last) is the full width on each rank
+    before its reduction, whose output (reduce-scatter with sequence parallelism, also saved) adds dim/tp."""
+    tp, d = layout.tp, arch.dim
+    stream = d / (tp if layout.sp else 1)
+    row = d + (d / tp if layout.sp else 0.0)
+    if arch.mla is not None:
+        m = arch.mla
+        attn = [m.q_lora_rank, arch.q_dim / tp, m.kv_lora_rank + m.qk_rope_dim,
+                arch.n_heads * (m.qk_nope_dim + m.v_head_dim) / tp, row]
+    else:
+        kv = arch.kv_dim / min(tp, arch.n_kv_heads)
+        attn = [arch.q_dim / tp, kv, kv, row]
+    mlp = [arch.ffn_dim / tp] * 2 + [row] if arch.gated_mlp else [arch.ffn_dim / tp, row]
+    widths = attn + mlp
+    return (stream + arch.o_dim / tp + sum(widths[0::2])) * ACT_BYTES[layout.precision]
+
+
+def loss_bytes_per_vocab(precision: str) -> float:
+    """Bytes per token and vocabulary entry (of this rank's tp share) live at the loss's peak, the start
+    of backward: with bf16 (or fp8) compute the logits come out in bf16 and are up-cast for the
+    cross-entropy, whose log-softmax output (fp32) is saved; its backward then holds that output, the
+    incoming gradient and the input gradient (fp32 each) while the bf16 gradient is written: 2 + 3 x 4 =
+    14. fp32: the logits and their gradient, 8 (as validated on this host's runs)."""
+    return 8.0 if precision == "fp32" else 2.0 + 3 * 4.0
 
 
 def block_input_bytes_per_token(arch: Arch, layout: Layout) -> float:
@@ -106,7 +137,7 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, v: int) -> float:
 
 def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> float:
     """Activation bytes at the rank's peak: stored blocks for the micro-batches in flight, one block
-    being recomputed (checkpointing), and the last stage's fp32 logits and their gradient."""
+    being recomputed (checkpointing), and the loss on the last stage (``loss_bytes_per_vocab``)."""
     tokens = microbatch_seqs * seq / layout.cp
     inp = block_input_bytes_per_token(arch, layout)
     stored, transient = 0.0, 0.0
@@ -114,12 +145,14 @@ def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int
         if not count:
             continue
         full = activation_bytes_per_token(arch, layout, moe)
-        # "op": element-wise results are recomputed, so the norms' outputs and SwiGLU's product are not kept
-        op = full - _op_recomputed_bytes_per_token(arch, layout, moe)
+        # "op": torchtitan's policy keeps every other matmul output of a dense block; a MoE block's
+        # element-wise results are recomputed (the norms' outputs and the SwiGLU products)
+        op = full - _op_recomputed_bytes_per_token(arch, layout, moe) if moe else \
+            min(full, op_kept_bytes_per_token(arch, layout))
         stored += count * {"none": full, "op": op, "full": inp, "selective": (full + inp) / 2}[layout.ac]
         transient = max(transient, full if layout.ac in ("full", "selective") else 0.0)
     flight = microbatches_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
-    logits = 2 * 4 * arch.vocab_size / layout.tp
+    logits = loss_bytes_per_vocab(layout.precision) * arch.vocab_size / layout.tp
     return tokens * (flight * stored + transient + logits)
 
 
@@ -140,12 +173,34 @@ def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) 
     params, grads, optimizer = (sharded(arch, layout, MASTER, 3), sharded(arch, layout, GRAD, 2),
                                 sharded(arch, layout, ADAM, 1))
     block = sum(block_param_split(arch, layout))
-    if z >= 3:  # one block gathered for compute, the next prefetched, the current block's full gradient
-        buffers = 2 * block * MASTER + block * GRAD
-    else:  # autocast's low-precision copy of the weights in use (the gradients are the buckets)
-        buffers = (dense + experts) * 2 if layout.precision != "fp32" else 0.0
+    low = 0 if layout.precision == "fp32" else ACT_BYTES[layout.precision]  # the compute dtype's bytes
+    if z >= 3:  # one block gathered (in the compute dtype) for compute, the next prefetched, the
+        # current block's full gradient
+        buffers = 2 * block * (low or MASTER) + block * GRAD
+    else:  # autocast's low-precision weight copies alive at the peak (the gradients are the buckets)
+        buffers = compute_copies_at_peak(arch, layout) * low
     act = activation_memory(arch, layout, microbatch_seqs, seq)
     return MemoryBreakdown(params, grads, optimizer, act, buffers)
+
+
+def compute_copies_at_peak(arch: Arch, layout: Layout) -> float:
+    """Parameters whose compute-dtype copy (autocast's cast of an fp32 weight) is alive at the peak, the
+    start of backward: a copy lives as long as a saved activation needs it for its backward. Without
+    checkpointing (or with ``op``, which saves matmul outputs and so the casts their backward reads)
+    that is every block of the stage; ``selective`` keeps half the blocks' activations, so half their
+    copies; ``full`` saves none, so only the block being recomputed holds its copy; the output head's
+    copy is saved in every case. The embedding is a lookup (no cast)."""
+    n_dense, n_moe = stage_layer_mix(arch, layout)
+    n = n_dense + n_moe
+    dense, experts = stage_param_split(arch, layout)
+    if layout.pp == 1:  # both ends on this rank: only the head is cast
+        held, cast = arch.embedding_params() + arch.head_params(), arch.head_params()
+    else:  # the busiest stage's end (``stage_param_split``), taken as the head
+        held = cast = max(arch.embedding_params(), arch.head_params())
+    ends = cast / layout.tp
+    blocks = dense + experts - held / layout.tp
+    saved = {"none": n, "op": n, "selective": math.ceil(n / 2), "full": min(1, n)}[layout.ac]
+    return blocks * saved / max(n, 1) + ends
 
 
 def peer_gradient_bytes(arch: Arch, layout: Layout) -> float:

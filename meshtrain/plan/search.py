@@ -13,6 +13,13 @@ stages it runs on (1-3, or 3 for "params"), even on one rank.
 Every candidate goes through ``layout.validate``, the rules a ``--layout`` gets (what meshtrain train
 refuses, and pipeline splits Megatron refuses unless ``uneven`` is fixed): those it refuses are left
 out. A layout fits if its predicted peak is at most (1 - ``memory_margin``) of a rank's memory.
+
+What it varies it prices: cp through ring attention's exchange, merge passes and the attention
+kernel's length curve (``step._context_parallel``, ``compute.ring_merge_bytes``), ep through the
+all-to-alls, offload through the PCIe and CPU update, ZeRO across nodes on every NIC. Async TP
+(``async_tp`` fixed True: the runtime has it, ``--async-tp``) is priced on every tp > 1 candidate
+(it hides part of the forward's collectives and costs no memory, so it is never slower); meshtrain's
+own runtime has none, so ``--parallel.auto`` never sets it.
 """
 
 from __future__ import annotations
@@ -80,7 +87,8 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                             for z in zeros:
                                 for rep in _replicas(dp, tp * pp * cp, cluster.gpus_per_node) if z else [1]:
                                     layout = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
-                                                     schedule=sched, zero_stage=z, dp_replicate=rep, ep=1)
+                                                     schedule=sched, zero_stage=z, dp_replicate=rep, ep=1,
+                                                     async_tp=base.async_tp and tp > 1 and base.sequence_parallel)
                                     eps = [fixed["ep"]] if "ep" in fixed else ep_choices(arch, layout)
                                     for ep in eps:
                                         yield replace(layout, ep=ep)

@@ -24,7 +24,8 @@ from ..parallel.pipeline.schedule import bubble_fraction, simulate
 from .architectures import Arch
 from .clusters import Cluster
 from .collectives import collective, group_of, p2p
-from .compute import ACT_BYTES, StageCompute, layer_forward_parts, model_flops_per_token, stage_compute
+from .compute import (ACT_BYTES, StageCompute, attention_backward_ratio, layer_forward_parts, matmul_chain,
+                      model_flops_per_token, stage_compute)
 from .layout import Layout, validate
 from .memory import (BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, built_schedule, memory_per_rank, peer_gradient_bytes,
                      sharded, stage_params)
@@ -116,33 +117,15 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
     algos: dict[str, str] = {}
 
     # tensor parallel: per block, 2 collectives each way on the microbatch's hidden states
-    tp_group = group_of(layout, cluster, ("tp",))
-    h_bytes = tokens * arch.dim * act
-    if layout.sp:
-        ag, algos["tp all_gather"] = collective("all_gather", h_bytes, tp_group, cluster)
-        rs, algos["tp reduce_scatter"] = collective("reduce_scatter", h_bytes, tp_group, cluster)
-        per_pass = 2 * (ag + rs)
-    else:
-        ar, algos["tp all_reduce"] = collective("all_reduce", h_bytes, tp_group, cluster)
-        per_pass = 2 * ar
     recompute_share = {"none": 0.0, "op": 0.0, "selective": 0.5, "full": 1.0}[layout.ac]
-    # a MoE block with SP routes its own 1/tp of the tokens: only attention (and tp-split shared
-    # experts) gather and scatter; without SP it all-reduces twice like a dense block
-    n_dense, n_moe = stage_layer_mix(arch, layout)
-    moe_share = (1 + (arch.shared_ffn > 0)) / 2 if layout.sp else 1.0
-    tp_f = (n_dense + n_moe * moe_share) * per_pass
-    tp_b = tp_f * (1 + recompute_share)
+    tp_f, tp_b = _tensor_parallel(arch, cluster, layout, tokens, seq, algos)
+    tp_b += tp_f * recompute_share  # recomputation repeats the forward's collectives
 
-    # context parallel: cp-1 ring steps of this rank's K and V (and dK, dV back in backward)
+    # context parallel: ring attention's K/V exchange, hidden behind each step's attention if shorter
     cp_f = cp_b = 0.0
     if layout.cp > 1:
-        same = group_of(layout, cluster, ("cp",)).nodes == 1
-        kv = tokens * 2 * arch.kv_dim / min(layout.tp, arch.n_kv_heads) * act
-        _, attn, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
-        step_f, step_b = p2p(kv, same, cluster), p2p(2 * kv, same, cluster)
-        cp_f = sc.layers * (layout.cp - 1) * max(0.0, step_f - attn / layout.cp)
-        cp_b = sc.layers * (layout.cp - 1) * max(0.0, step_b - 2.5 * attn / layout.cp)
-        algos["cp"] = "ring p2p"
+        cp_f, cp_b = _context_parallel(arch, cluster, layout, tokens, seq, algos)
+        cp_f, cp_b = sc.layers * cp_f, sc.layers * (cp_b + recompute_share * cp_f)
 
     # pipeline: each chunk sends its output forward and its input gradient back
     pp_f = pp_b = 0.0
@@ -187,6 +170,8 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
                          sharded(arch, layout, 1.0, 1), staged=not cluster.memory_shared)
     if layout.zero_stage == 3 and layout.pp > 1:  # the stage's weights stay gathered across micro-batches
         mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * act)
+        if layout.fsdp_pp:  # PyTorch FSDP2 under a pipeline: and its unsharded fp32 gradients, until the last
+            mem = replace(mem, buffers=mem.buffers + stage_params(arch, layout) * GRAD)
     if cluster.memory_shared:
         mem = replace(mem, buffers=mem.buffers + peer_gradient_bytes(arch, layout))
     if cluster.memory_shared:  # a host's offload moves nothing: the host memory is the rank's memory
@@ -198,6 +183,84 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         else math.inf
     return Prediction(layout, step, parts, mem, cluster.memory_per_rank(layout.world), tok, mfu, algos,
                       host_capacity)
+
+
+def _tensor_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int, seq: int,
+                     algos: dict[str, str]) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of the stage's tensor-parallel collectives per micro-batch,
+    recomputation not included. With sequence parallelism a block all-gathers its input before
+    attention's and the MLP's first matmuls and reduce-scatters after their last ones; without, it
+    all-reduces twice. A MoE block with SP routes its own 1/tp of the tokens: only attention (and
+    tp-split shared experts) gather and scatter.
+
+    Async TP (``atp=1``) splits each forward collective into tp pieces passed around the group while
+    the adjacent matmul runs on the pieces already there (a collective matmul): the piece the rank holds
+    starts at once, so (tp - 1)/tp of the matmul hides the collective and only what exceeds it is
+    exposed: a gather beside attention's q, k, v projections, a reduce-scatter beside its output
+    projection, the same pair in the MLP (w1 and w3; w2). Recomputation repeats the forward, overlapped
+    alike. The backward's collectives stay whole: PyTorch's async TP reports "up to ~29% forward pass
+    speedup and ~8% E2E speedup" for Llama 3 (discuss.pytorch.org/t/209487, "Introducing Async Tensor
+    Parallelism in PyTorch"), an end-to-end gain only a forward-only overlap accounts for."""
+    tp_group = group_of(layout, cluster, ("tp",))
+    h_bytes = tokens * arch.dim * ACT_BYTES[layout.precision]
+    n_dense, n_moe = stage_layer_mix(arch, layout)
+    if not layout.sp:
+        ar, algos["tp all_reduce"] = collective("all_reduce", h_bytes, tp_group, cluster)
+        t = (n_dense + n_moe) * 2 * ar
+        return t, t
+    ag, algos["tp all_gather"] = collective("all_gather", h_bytes, tp_group, cluster)
+    rs, algos["tp reduce_scatter"] = collective("reduce_scatter", h_bytes, tp_group, cluster)
+    moe_mlp = 1.0 if arch.shared_ffn > 0 else 0.0  # a MoE block's MLP pair: only for shared experts
+    if not layout.async_tp:
+        per_block = 2 * (ag + rs)
+        t = n_dense * per_block + n_moe * (ag + rs) * (1 + moe_mlp)
+        return t, t
+    algos["tp"] = "async (collective matmul)"
+    hide = (layout.tp - 1) / layout.tp
+    chain = matmul_chain(arch)
+    n_mlp = 3 if arch.gated_mlp else 2
+    attn, mlp = chain[:-n_mlp], chain[-n_mlp:]
+    mm, _, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
+    per_param = mm / sum(chain)  # forward matmul seconds per weight of the dense block
+
+    def exposed(group: list[float], factor: float) -> float:
+        """A gather beside the group's first matmuls, a reduce-scatter beside its last."""
+        return max(0.0, ag - factor * per_param * sum(group[:-1]) * hide) + \
+            max(0.0, rs - factor * per_param * group[-1] * hide)
+
+    shared = moe_mlp * (ag + rs)  # a MoE block's shared experts: priced without overlap
+    f = n_dense * (exposed(attn, 1) + exposed(mlp, 1)) + n_moe * (exposed(attn, 1) + shared)
+    b = n_dense * 2 * (ag + rs) + n_moe * (ag + rs) * (1 + moe_mlp)  # backward: not decomposed
+    return f, b
+
+
+def _context_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int, seq: int,
+                      algos: dict[str, str]) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one block's ring-attention exchange per micro-batch.
+
+    Load-balanced causal ring attention (torchtitan, Megatron and meshtrain give each rank chunks i and
+    2cp-1-i) splits the rank's attention into cp equal steps; each step computes on the K/V block it
+    holds while the next one travels (forward: K and V in the compute dtype; backward: K, V and the
+    dK, dV accumulated in fp32 going round). A step's transfer is exposed only where it exceeds that
+    step's attention: exposed = (cp - 1) x max(0, transfer - attention / cp). With ``cpag=1`` (PyTorch's
+    all-gather rotation) the K/V of every rank arrive in one all-gather hidden behind the first step
+    only; the backward's dK, dV still go round step by step. Ring members on different nodes move at
+    the inter-node speed (each GPU its own NIC)."""
+    act = ACT_BYTES[layout.precision]
+    group = group_of(layout, cluster, ("cp",))
+    same = group.nodes == 1
+    kv = tokens * 2 * arch.kv_dim / min(layout.tp, arch.n_kv_heads) * act  # this rank's K and V
+    grad_kv = kv / act * 4
+    _, attn, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
+    step_f = attn / layout.cp
+    step_b = attention_backward_ratio(cluster, layout, seq) * attn / layout.cp
+    steps = layout.cp - 1
+    back = steps * max(0.0, p2p(kv + grad_kv, same, cluster) - step_b)
+    if layout.cp_allgather:
+        ag, algos["cp"] = collective("all_gather", kv * layout.cp, group, cluster)
+        return max(0.0, ag - step_f), max(0.0, ag - step_b) + steps * max(0.0, p2p(grad_kv, same, cluster) - step_b)
+    algos["cp"] = "ring p2p"
+    return steps * max(0.0, p2p(kv, same, cluster) - step_f), back
 
 
 def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,

@@ -163,10 +163,13 @@ def test_layout_label_round_trips_ep():
         validate(parse_layout("dp=8,order=x"), SMALL, 8, 64, 512)
 
 
-def test_search_chooses_expert_parallelism_for_a_big_moe_on_many_gpus():
-    preds = search(QWEN, H100, 64, 256, 4096, {"precision": "bf16", "compile": True, "schedule": "1f1b"}, top=3)
+def test_search_prices_expert_parallelism_for_a_big_moe_on_many_gpus():
+    # ep competes with ZeRO-3 over the experts; since ZeRO's gathers across nodes run on every NIC
+    # (collectives.cross_node_level) a 30B MoE on 64 GPUs ranks dense sharding first, ep layouts after
+    preds = search(QWEN, H100, 64, 256, 4096, {"precision": "bf16", "compile": True, "schedule": "1f1b"}, top=10)
     assert preds and all(p.fits for p in preds)
-    assert preds[0].layout.ep > 1, preds[0].layout.label()
-    assert "ep all_to_all" in preds[0].algorithms
+    with_ep = [p for p in preds if p.layout.ep > 1]
+    assert with_ep, [p.layout.label() for p in preds]
+    assert all("ep all_to_all" in p.algorithms and p.parts["ep"] > 0 for p in with_ep)
     # and never for a dense model
     assert {p.layout.ep for p in search(ARCHS["llama3-8b"], H100, 8, 16, 8192, top=20)} == {1}

@@ -1,0 +1,124 @@
+"""The planner's physics from issue 34, each checked by a property computed here: ring attention's
+exposed exchange and merge passes, the attention kernel's measured length curve, cross-node rings on
+every NIC, compile's gain on element-wise ops only, what memory is live at the peak, async TP, float8
+casts and torchtitan's selective op checkpointing."""
+
+import dataclasses
+
+import pytest
+
+from meshtrain.errors import ConfigError
+from meshtrain.plan.architectures import ARCHS
+from meshtrain.plan.clusters import PRESETS
+from meshtrain.plan.collectives import Group, collective
+from meshtrain.plan.compute import (ACT_BYTES, attention_rate, elementwise_bytes, elementwise_per_token,
+                                    fp8_cast_bytes_per_token, layer_forward_parts, matmul_chain,
+                                    op_recomputed_matmul_share, ring_merge_bytes)
+from meshtrain.plan.layout import Layout, parse_layout, validate
+from meshtrain.plan.memory import memory_per_rank, stage_params
+from meshtrain.plan.search import search
+from meshtrain.plan.step import _context_parallel, _tensor_parallel, predict
+
+H100 = PRESETS["h100"]
+L8B, L70B = ARCHS["llama3-8b"], ARCHS["llama3-70b"]
+
+
+def test_ring_attention_exposure_shrinks_with_sequence_and_grows_without_overlap():
+    # cp across nodes (tp fills the node): each step's K/V transfer grows with S, its attention with S^2
+    layout = Layout(dp=1, tp=8, cp=4)
+    share = []
+    for seq in (4096, 16384, 65536):
+        f, b = _context_parallel(L70B, H100, layout, seq // 4, seq, {})
+        _, attn, _ = layer_forward_parts(L70B, layout, H100, seq // 4, seq)
+        share.append(f / attn)
+        # all K/V in one all-gather hides behind the first step only: never less exposed than the ring
+        f_ag, b_ag = _context_parallel(L70B, H100, dataclasses.replace(layout, cp_allgather=True), seq // 4, seq, {})
+        assert f_ag >= f and b_ag >= b
+    assert share[0] > share[1] >= share[2] >= 0.0 and share[0] > 0.0
+
+
+def test_ring_merge_moves_bytes_for_each_step_after_the_first():
+    one, two, eight = (ring_merge_bytes(L8B, Layout(cp=c)) for c in (1, 2, 8))
+    assert one == (0.0, 0.0) and eight[0] == pytest.approx(7 * two[0]) and eight[1] == pytest.approx(7 * two[1])
+    # at bf16, forward: up-cast (2 + 4) and three fp32 passes (32) per output element
+    assert two[0] == pytest.approx(L8B.o_dim * 38)
+
+
+def test_attention_rate_follows_the_kernels_length_curve_and_cudnn_is_faster():
+    layout = Layout(dp=8)
+    rates = [attention_rate(H100, layout, n) for n in (512, 2048, 16384, 131072)]
+    assert rates[0] < rates[1] < rates[2] == rates[3] == pytest.approx(989e12 * H100.attention_efficiency)
+    cudnn = attention_rate(H100, dataclasses.replace(layout, attn_kernel="cudnn"), 16384)
+    assert cudnn / rates[2] == pytest.approx(H100.fused_attention_speedup)
+    assert attention_rate(H100, layout, 16384, backward=True) < rates[2]
+
+
+def test_zero_across_nodes_costs_no_more_than_dp_all_reduce_for_the_same_bytes():
+    # a ring all-reduce is a reduce-scatter then an all-gather; across nodes all three run on every NIC
+    n, group = 4 * 1.7e9, Group(48, 8)
+    rs, _ = collective("reduce_scatter", n, group, H100)
+    ag, _ = collective("all_gather", n, group, H100)
+    ar, _ = collective("all_reduce", n, group, H100)
+    assert rs + ag <= 1.05 * ar
+
+
+def test_compile_saves_only_element_wise_traffic_and_only_where_eager_runs_several_kernels():
+    for arch in (L8B, ARCHS["mpt-7b"]):
+        eager, fused = Layout(dp=8), Layout(dp=8, compile=True)
+        mm_e, at_e, el_e = layer_forward_parts(arch, eager, H100, 8192, 8192)
+        mm_c, at_c, el_c = layer_forward_parts(arch, fused, H100, 8192, 8192)
+        assert (mm_e, at_e) == (mm_c, at_c)  # matmuls and attention untouched
+        if arch.norm == "layernorm":  # one kernel each (LayerNorm, GELU) even eagerly: nothing to save
+            assert el_e == el_c
+        else:
+            assert el_e > 2 * el_c
+    a = ACT_BYTES["bf16"]
+    assert elementwise_bytes("rmsnorm", a, True) == 36 and elementwise_bytes("rmsnorm", a, False) == 4
+    assert elementwise_bytes("swiglu", a, True) / elementwise_bytes("swiglu", a, False) == pytest.approx(5 / 3)
+
+
+def test_full_checkpointing_holds_one_blocks_compute_copy_at_the_peak():
+    none = memory_per_rank(L8B, Layout(dp=8, ac="none"), 1, 4096)
+    full = memory_per_rank(L8B, Layout(dp=8, ac="full"), 1, 4096)
+    assert none.buffers - full.buffers == pytest.approx((L8B.n_layers - 1) * L8B.params_per_layer() * 2)
+    z3 = memory_per_rank(L8B, Layout(dp=8, zero_stage=3, ac="full"), 1, 4096)
+    assert z3.buffers == pytest.approx(L8B.params_per_layer() * (2 * 2 + 4))  # two gathered bf16 blocks + a grad
+
+
+def test_fsdp_under_a_pipeline_keeps_the_stages_unsharded_fp32_gradients():
+    base = parse_layout("dp=2,pp=4,m=4,zero=3,ac=full")
+    plain = predict(L8B, H100, base, 8, 4096)
+    fsdp = predict(L8B, H100, dataclasses.replace(base, fsdp_pp=True), 8, 4096)
+    assert fsdp.memory.total - plain.memory.total == pytest.approx(stage_params(L8B, base) * 4)
+    assert fsdp.step_time == plain.step_time
+
+
+def test_async_tp_hides_part_of_the_forward_collectives_and_none_of_the_backward():
+    layout = parse_layout("dp=4,tp=8,zero=3,ac=full")
+    f0, b0 = _tensor_parallel(L70B, H100, layout, 8192, 8192, {})
+    f1, b1 = _tensor_parallel(L70B, H100, dataclasses.replace(layout, async_tp=True), 8192, 8192, {})
+    assert 0.0 <= f1 < f0 and b1 == b0
+    assert predict(L70B, H100, dataclasses.replace(layout, async_tp=True), 4, 8192).step_time < \
+        predict(L70B, H100, layout, 4, 8192).step_time
+    with pytest.raises(ConfigError, match="atp=1"):
+        validate(parse_layout("dp=8,atp=1"), L8B, 8, 8, 4096)
+
+
+def test_float8_adds_the_casts_of_every_linears_input_and_output_gradient():
+    bf16, fp8 = Layout(dp=8, compile=True), Layout(dp=8, compile=True, precision="fp8")
+    extra = elementwise_per_token(L8B, fp8, H100) - elementwise_per_token(L8B, bf16, H100)
+    assert extra == pytest.approx(fp8_cast_bytes_per_token(L8B, fp8)) and extra > 0
+
+
+def test_torchtitans_op_checkpointing_recomputes_every_second_matmul():
+    chain = matmul_chain(L8B)  # wq, wk, wv, wo, w1, w3, w2
+    assert len(chain) == 7
+    assert op_recomputed_matmul_share(L8B) == pytest.approx((chain[1] + chain[3] + chain[5]) / sum(chain))
+
+
+def test_search_prices_async_tp_only_where_the_runtime_has_it():
+    arch = ARCHS["mpt-1b"]
+    without = search(arch, H100, 8, 16, 2048, {"compile": True, "zero_stage": 1}, top=50)
+    assert not any(p.layout.async_tp for p in without)
+    with_atp = search(arch, H100, 8, 16, 2048, {"compile": True, "zero_stage": 1, "async_tp": True}, top=50)
+    assert all(p.layout.async_tp == (p.layout.tp > 1) for p in with_atp)
