@@ -24,7 +24,7 @@ def test_a_count_given_on_the_command_line_is_kept():
     assert [c["iters"] for c in cases.values()] == [1, 1]  # even below the floor of 3
 
 
-def test_explain_prints_what_auto_kept_and_the_measured_times(monkeypatch, capsys):
+def test_explain_prints_what_auto_kept_and_the_measured_times(monkeypatch, capsys, tmp_path):
     """``--explain`` on ranks as threads with learning switched on: every size shows the
     algorithm kept, measured among its candidates, and auto's timed calls are the kept choice's."""
     import argparse
@@ -32,6 +32,7 @@ def test_explain_prints_what_auto_kept_and_the_measured_times(monkeypatch, capsy
     from meshtrain.bench import comm_cli
 
     monkeypatch.setenv("MESHTRAIN_AUTO_TUNE", "1")
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path))  # an empty cache: auto explores, then keeps
     p = argparse.ArgumentParser()
     comm_cli.add_arguments(p)
     args = p.parse_args(["--transport", "local", "--world", "2", "--algorithms", "auto,ring", "--sizes", "4K,64K",

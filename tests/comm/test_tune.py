@@ -40,6 +40,13 @@ def _calls(rank: int, n: int, p: int, numel: int = NBYTES // 4) -> list[str]:
     return [r["algorithm"] for r in comm.monitor.records() if r["op"] == "all_reduce"]
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """A calibration cache of the test's own: choices kept here must not reach other tests, nor
+    other tests' choices this one (a cached choice is kept without exploring)."""
+    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def test_members_keep_one_choice_when_their_own_timings_disagree(monkeypatch):
     """Rank r's clock makes a different candidate fastest on every rank, so a member deciding from
     its own timings alone would differ from the others; they must all keep the same one, the least
@@ -141,7 +148,6 @@ def test_choices_persist_per_host_and_transport_and_never_lose_to_native(tmp_pat
     """Two torch-transport processes: the first run explores (torch's own all_reduce among the
     candidates) and keeps a choice no slower than native; a second run loads it from the cache and
     runs only it; on another host (another host id, so another fingerprint) it explores again."""
-    monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MESHTRAIN_AUTO_TUNE", raising=False)
     first = spawn(2, _persisted, transport="torch", timeout=90)
     algos, source, choice, agreed = first[0]
