@@ -151,7 +151,11 @@ class SimulatedHosts:
     """``n_hosts`` simulated hosts, each one torchrun agent running ``worker`` on ``nproc`` ranks.
 
     ``worker`` is what follows torchrun's own options: ``["-m", "module", *args]`` or
-    ``["script.py", *args]``. ``nproc`` is one count for every host or one per host. Host k
+    ``["script.py", *args]``. ``nproc`` is one count for every host or one per host. ``nnodes``
+    is torchrun's ``--nnodes`` (default ``n_hosts``; ``"MIN:MAX"`` for an elastic job) and
+    ``rdzv_conf`` adds c10d rendezvous settings to ``--rdzv-conf`` (``last_call_timeout``,
+    ``keep_alive_interval``, ...). ``start_host(k)`` starts a killed host again, as a new agent
+    that joins the same rendezvous (a host coming back to an elastic job). Host k
     writes ``host{k}.out`` / ``host{k}.err`` (its agent's and workers' output) and uses
     ``host{k}.tmp`` as TMPDIR, all in ``log_dir``. ``env`` is added to this process's
     environment (MESHTRAIN_HOST_ID is dropped from it: it would make every host look like one).
@@ -161,8 +165,11 @@ class SimulatedHosts:
     def __init__(self, n_hosts: int, nproc: int | Sequence[int], worker: Sequence[str], log_dir: str | os.PathLike,
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
                  max_restarts: int = 0, rdzv_timeout: int = 60, shm_size: str = "2g",
-                 torchrun_args: Sequence[str] = ()) -> None:
+                 torchrun_args: Sequence[str] = (), nnodes: str | None = None,
+                 rdzv_conf: Mapping[str, object] | None = None) -> None:
         self._setup(n_hosts, log_dir, cwd, shm_size)
+        self._nnodes = nnodes or str(n_hosts)
+        self._rdzv_conf = dict(rdzv_conf or {})
         self.nproc = [nproc] * n_hosts if isinstance(nproc, int) else list(nproc)
         if len(self.nproc) != n_hosts:
             raise ValueError(f"nproc has {len(self.nproc)} entries for {n_hosts} hosts")
@@ -217,34 +224,57 @@ class SimulatedHosts:
 
     def _torchrun(self, k: int, run_id: str) -> list[str]:
         """Host k's torchrun agent: c10d rendezvous on 127.0.0.1:port, then the worker."""
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.n),
+        # host0's agent holds the rendezvous store, as on a real cluster's first host
+        conf = {"is_host": int(k == 0), "join_timeout": self._rdzv_timeout, **self._rdzv_conf}
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", self._nnodes,
                 "--nproc-per-node", str(self.nproc[k]), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", run_id,
-                # host0's agent holds the rendezvous store, as on a real cluster's first host
-                "--rdzv-conf", f"is_host={int(k == 0)},join_timeout={self._rdzv_timeout}",
+                "--rdzv-conf", ",".join(f"{key}={value}" for key, value in conf.items()),
                 "--local-addr", "127.0.0.1", "--max-restarts", str(self._max_restarts),
                 "--monitor-interval", "0.2", *self._extra, *self._worker]
 
     def _launch(self, argvs: list[list[str]], envs: list[dict[str, str]], run_id: str, own_ns: str | None) -> None:
         """Start host k running ``argvs[k]`` with ``envs[k]`` in its own namespaces."""
         self._procs, self._mnt, self._marks = [], [], []
+        self._argvs, self._envs, self._run_id, self._own_ns = argvs, envs, run_id, own_ns
         for k in range(self.n):
-            tmp = self.log_dir / f"host{k}.tmp"
-            tmp.mkdir(exist_ok=True)
-            self._shm_file(k).unlink(missing_ok=True)
-            mark = f"{run_id}-host{k}"  # inherited by every process of the host: see _host_pids
-            self._marks.append(f"MESHTRAIN_SIMHOST={mark}".encode())
-            with open(self.log_dir / f"host{k}.out", "wb") as out, open(self.log_dir / f"host{k}.err", "wb") as err:
-                self._procs.append(subprocess.Popen(
-                    [*_UNSHARE, "sh", "-c", _WRAPPER, "simhost", f"host{k}", self._shm_size,
-                     str(self._shm_file(k)), *argvs[k]],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self._cwd,
-                    env={**envs[k], "TMPDIR": str(tmp), "MESHTRAIN_SIMHOST": mark}, start_new_session=True))
-        for p in self._procs:  # unshare(2) runs just after exec: wait until the process has left our namespace
-            deadline = time.monotonic() + 10
-            while (ns := _ns(p.pid)) == own_ns and p.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self._mnt.append(ns if ns != own_ns else None)
+            self._procs.append(self._spawn(k, f"{run_id}-host{k}"))
+            self._marks.append(f"MESHTRAIN_SIMHOST={run_id}-host{k}".encode())
+        self._mnt = [self._left_namespace(p) for p in self._procs]
+
+    def _spawn(self, k: int, mark: str, append: bool = False) -> subprocess.Popen:
+        """Host k's wrapper process (``append``: add to its logs, as a host started again does)."""
+        tmp = self.log_dir / f"host{k}.tmp"
+        tmp.mkdir(exist_ok=True)
+        self._shm_file(k).unlink(missing_ok=True)
+        mode = "ab" if append else "wb"
+        # the mark is inherited by every process of the host: see _host_pids
+        with open(self.log_dir / f"host{k}.out", mode) as out, open(self.log_dir / f"host{k}.err", mode) as err:
+            return subprocess.Popen(
+                [*_UNSHARE, "sh", "-c", _WRAPPER, "simhost", f"host{k}", self._shm_size,
+                 str(self._shm_file(k)), *self._argvs[k]],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self._cwd,
+                env={**self._envs[k], "TMPDIR": str(tmp), "MESHTRAIN_SIMHOST": mark}, start_new_session=True)
+
+    def _left_namespace(self, p: subprocess.Popen) -> str | None:
+        """``p``'s mount namespace once it has left ours (unshare(2) runs just after exec)."""
+        deadline = time.monotonic() + 10
+        while (ns := _ns(p.pid)) == self._own_ns and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return ns if ns != self._own_ns else None
+
+    def start_host(self, k: int) -> None:
+        """Start host k again after it was killed: the same command line (for a torchrun host, a new
+        agent joining the same rendezvous, as a repaired machine rejoins an elastic job), in fresh
+        namespaces with a fresh /dev/shm; its output is appended to its logs."""
+        if self._procs[k].poll() is None:
+            raise RuntimeError(f"host{k} is still running; kill_host({k}) first")
+        self._starts = getattr(self, "_starts", {})
+        self._starts[k] = self._starts.get(k, 0) + 1
+        mark = f"{self._run_id}-host{k}-start{self._starts[k]}"  # a new mark: the old one may name leftovers
+        self._procs[k] = self._spawn(k, mark, append=True)
+        self._marks[k] = f"MESHTRAIN_SIMHOST={mark}".encode()
+        self._mnt[k] = self._left_namespace(self._procs[k])
 
     def _await_store(self, timeout: float = 60.0) -> bool:
         """Wait until host0's agent listens on the rendezvous port; False if it failed because

@@ -81,24 +81,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, help="the run's world size (to name ranks that left no record)")
 
 
-def world_changes(run_dir: str | Path) -> list[dict[str, Any]]:
+def world_changes(run_dir: str | Path, restarts: bool = False) -> list[dict[str, Any]]:
     """The ``{"event": "world_change", ...}`` rows of ``RUN_DIR/metrics.jsonl``, in order (a run
-    writes one each time it resumes under another layout than its checkpoint's)."""
+    writes one each time it resumes under another layout than its checkpoint's); with ``restarts``
+    also the ``restart`` rows (an elastic run resumed under the same layout after a stop)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: pass the run directory of a `meshtrain train` run")
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return [r for r in rows if r.get("event") == "world_change"]
+    kinds = ("world_change", "restart") if restarts else ("world_change",)
+    return [r for r in rows if r.get("event") in kinds]
 
 
 def describe_world_change(row: dict[str, Any]) -> str:
-    """One line for a world-change row: the step, the layouts, the worlds and the seconds measured."""
+    """One line for a world-change (or restart) row: the step, the layouts, the worlds, the steps
+    replayed and the seconds measured (a part that could not be timed shows as "?")."""
     from .elastic import layout_label as label
 
-    secs = ", ".join(f"{k} {v:.2f} s" for k, v in row.get("seconds", {}).items())
-    return (f"after step {row['step']}: {row['old_world']} -> {row['new_world']} ranks, "
-            f"{label(row['old_layout'])} -> {label(row['new_layout'])} ({secs})"
-            + (f"; {row['reason']}" if row.get("reason") else ""))
+    secs = ", ".join(f"{k} " + ("?" if v is None else f"{v:.2f} s") for k, v in row.get("seconds", {}).items())
+    what = "restart" if row.get("event") == "restart" else f"{row['old_world']} -> {row['new_world']} ranks"
+    replayed = f", {row['replayed_steps']} step(s) replayed" if "replayed_steps" in row else ""
+    return (f"after step {row['step']}: {what}, {label(row['old_layout'])} -> {label(row['new_layout'])} "
+            f"({secs}{replayed})" + (f"; {row['reason']}" if row.get("reason") else "")
+            + (f"; stopped by {row['stopped_by']}" if row.get("stopped_by") else ""))
 
 
 def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,14 +115,15 @@ def main(args: argparse.Namespace) -> int:
     """``hang``: print the analysis; ``elastic``: list the world changes. 2 when there is nothing to read."""
     if getattr(args, "debug", "hang") == "elastic":
         try:
-            changes = world_changes(args.run_dir)
+            changes = world_changes(args.run_dir, restarts=True)
         except (OSError, ValueError) as exc:
             print(f"meshtrain debug elastic: error: {exc}", file=sys.stderr)
             return 2
         for row in changes:
             print(describe_world_change(row))
         if not changes:
-            print(f"no world changes in {args.run_dir}/metrics.jsonl: every resume kept the checkpoint's layout")
+            print(f"no world changes or restarts in {args.run_dir}/metrics.jsonl: every resume kept the "
+                  f"checkpoint's layout and followed no stop")
         return 0
     try:
         records = load_flight_records(args.run_dir)

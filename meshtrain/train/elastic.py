@@ -10,6 +10,9 @@ more or fewer rows of it) unless ``elastic.keep_global_batch = false``.
 The layout is always derived from the configured ``[parallel]``, never from the previous world's,
 so a run that shrank returns to the configured layout when its hosts come back.
 
+``elastic_world.py`` times the changes (the ``world_change`` row's seconds, from the stop marks the
+old world leaves) and ``elastic_launch.py`` writes elastic Slurm and Kubernetes jobs.
+
 SIGTERM (what torchrun's agent sends its workers on a membership change) sets a flag; with elastic
 on, the ranks all-reduce it (MAX) at every step boundary, so all of them stop after the same step,
 save a checkpoint there and return a summary marked ``preempted`` (no rank raises, so none aborts
@@ -232,10 +235,12 @@ def layout_of_checkpoint(extra: Mapping[str, Any]) -> dict[str, int] | None:
 
 
 def world_change_row(step: int, old: Mapping[str, int], new: Mapping[str, int], reason: str | None,
-                     seconds: Mapping[str, float]) -> dict[str, Any]:
-    """The ``metrics.jsonl`` row of a resume under another layout than the checkpoint's."""
-    return {"event": "world_change", "step": step, "old_layout": dict(old), "new_layout": dict(new),
-            "old_world": world_size_of(old), "new_world": world_size_of(new), "reason": reason,
+                     seconds: Mapping[str, float | None], event: str = "world_change", **extra: Any) -> dict[str, Any]:
+    """The ``metrics.jsonl`` row of a resume under another layout than the checkpoint's (``event``
+    "restart": under the same one, after a stop); ``extra`` adds fields (``stopped_by``,
+    ``replayed_steps``). ``seconds``: ``elastic_world.change_seconds``."""
+    return {"event": event, "step": step, "old_layout": dict(old), "new_layout": dict(new),
+            "old_world": world_size_of(old), "new_world": world_size_of(new), "reason": reason, **extra,
             "seconds": dict(seconds)}
 
 

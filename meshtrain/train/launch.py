@@ -25,7 +25,7 @@ from .. import comm, worker_processes
 from ..comm.launch import share_cores
 from ..comm.transport import registry
 from ..errors import CollectiveError, ConfigError, MeshtrainError
-from . import elastic
+from . import elastic, elastic_world
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
 
@@ -72,12 +72,18 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
                               f"process; pick a free port (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
                               f"process that holds it") from exc
     failure: BaseException | None = None
+    me = comm.current()
+    if me.liveness is not None:  # a lost peer: kill frozen siblings; an elastic run leaves its stop mark
+        me.liveness.add_listener(elastic_world.on_peer_lost(config.out, comm.get_rank(), comm.get_world_size(),
+                                                            me.liveness, me.hosts, config.elastic.enabled))
     try:
         with elastic.sigterm_stops(config.elastic.enabled):  # SIGTERM: save at the next step boundary
             return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
         exit_within(EXIT_GRACE_S, 2 if isinstance(exc, MeshtrainError) else 1)
+        if config.elastic.enabled and config.out:  # the next world times the change from it
+            elastic_world.write_stop(config.out, comm.get_rank(), comm.get_world_size(), f"{type(exc).__name__}: {exc}")
         raise
     finally:
         comm.destroy(failure)

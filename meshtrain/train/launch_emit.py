@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config.dims import DEGREES
 from ..errors import ConfigError, MeshtrainError
+from . import elastic_launch
 
 EMITTERS = ("slurm", "k8s")
 DEVICES = ("cpu", "cuda", "auto")
@@ -39,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``meshtrain launch``."""
     p.add_argument("--emit", required=True, choices=EMITTERS,
                    help="slurm: an sbatch script; k8s: a Kubeflow PyTorchJob manifest with a ConfigMap")
-    p.add_argument("--nodes", type=int, required=True, help="hosts (one torchrun per host)")
+    p.add_argument("--nodes", required=True, help="hosts (one torchrun per host): N, or MIN:MAX for an elastic job "
+                   "that goes on while MIN of its MAX hosts are left (the layout fills MAX; see docs/training.md, "
+                   "Elastic)")
     p.add_argument("--device", choices=DEVICES, help="cuda: one NCCL worker per GPU; cpu: gloo workers on cores "
                    "(--procs-per-node of them); auto: cuda (default: the config's train.device)")
     p.add_argument("--gpus-per-node", type=int, help="cuda: GPUs, and so worker processes, per host")
@@ -61,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(this x processes per node) and on k8s a CPU request")
     p.add_argument("--pvc", help=f"k8s: a PersistentVolumeClaim mounted at {RUNS_DIR} in every pod (the shared "
                    "run directory)")
+    p.add_argument("--max-restarts", type=int, help="elastic (--nodes MIN:MAX): torchrun's --max-restarts "
+                   f"(default {elastic_launch.DEFAULT_MAX_RESTARTS}; each failure uses one)")
+    p.add_argument("--rdzv-conf", help="elastic: c10d rendezvous settings KEY=VALUE,... over the defaults "
+                   f"({elastic_launch.rdzv_conf_text(elastic_launch.RDZV_CONF)})")
 
 
 @dataclasses.dataclass
@@ -83,17 +90,27 @@ class Job:
     pvc: str | None
     device: str = "cuda"  # "cuda" or "cpu"
     warnings: list[str] = dataclasses.field(default_factory=list)
+    min_nodes: int | None = None  # elastic (--nodes MIN:MAX): MIN; ``nodes`` is MAX
+    max_restarts: int = 0
+    rdzv_conf: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job goes on with fewer nodes than ``nodes`` (``--nodes MIN:MAX``, MIN < MAX)."""
+        return self.min_nodes is not None and self.min_nodes < self.nodes
 
     @property
     def overrides(self) -> tuple[str, ...]:
         """The flags every worker's command ends with."""
-        return OVERRIDES[self.device]
+        return OVERRIDES[self.device] + (("--elastic.enabled=true",) if self.elastic else ())
 
     def describe(self) -> str:
         """"2 nodes x 4 GPUs = 8 ranks (dp=4 x tp=2)", or "... x 4 processes ... on CPU (gloo)"."""
         unit = "GPUs" if self.device == "cuda" else "processes"
         tail = "" if self.device == "cuda" else ", on CPU (gloo)"
-        return f"{self.nodes} nodes x {self.procs} {unit} = {self.nodes * self.procs} ranks ({self.layout}){tail}"
+        nodes = f"{self.min_nodes}-{self.nodes}" if self.elastic else str(self.nodes)
+        elastic = f"; elastic: goes on with {self.min_nodes} to {self.nodes} nodes" if self.elastic else ""
+        return f"{nodes} nodes x {self.procs} {unit} = {self.nodes * self.procs} ranks ({self.layout}){tail}{elastic}"
 
 
 def _need(ok: bool, message: str) -> None:
@@ -162,7 +179,14 @@ def build_job(args: argparse.Namespace) -> Job:
 
     _need(args.emit in EMITTERS, f"--emit {args.emit!r} is not one of {', '.join(EMITTERS)}")
     k8s = args.emit == "k8s"
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+    min_nodes, nodes = elastic_launch.parse_nodes(args.nodes)
+    elastic = min_nodes < nodes
+    max_restarts, rdzv_conf = getattr(args, "max_restarts", None), getattr(args, "rdzv_conf", None)
+    _need(elastic or (max_restarts is None and rdzv_conf is None), "--max-restarts and --rdzv-conf apply to an "
+          f"elastic job (--nodes MIN:MAX) only; drop them, or give --nodes MIN:{nodes}")
+    _need(max_restarts is None or max_restarts >= 0, f"--max-restarts must be >= 0, got {max_restarts}")
+    conf = elastic_launch.parse_rdzv_conf(rdzv_conf) if elastic else {}
+    for flag, value in (("--gpus-per-node", args.gpus_per_node),
                         ("--procs-per-node", args.procs_per_node), ("--cpus-per-proc", args.cpus_per_proc)):
         _need(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
     _need(1 <= args.port <= 65535, f"--port must be in 1..65535, got {args.port}")
@@ -179,8 +203,10 @@ def build_job(args: argparse.Namespace) -> Job:
     except UnicodeDecodeError:
         raise ConfigError(f"config file {args.config!r} is not UTF-8 text; pass a TOML file") from None
     p = config.parallel
-    if p.world_size != args.nodes * procs:
-        raise _world_error(args.config, p, args.nodes, procs, device)
+    if p.world_size != nodes * procs:
+        raise _world_error(args.config, p, nodes, procs, device)
+    if elastic:  # every node count it may go on with has a layout
+        elastic_launch.check_node_counts(config, min_nodes, nodes, procs, args.config)
     name = args.name or _default_name(args.config, k8s)
     if k8s:
         _need(bool(_DNS_LABEL.fullmatch(name)) and len(name) <= _K8S_NAME_MAX,
@@ -196,9 +222,14 @@ def build_job(args: argparse.Namespace) -> Job:
         _need(run_dir.startswith(RUNS_DIR + "/"), f"--run-dir {run_dir!r} is outside {RUNS_DIR}, where --pvc "
               f"mounts its claim; use --run-dir {RUNS_DIR}/{name}")
     layout = layout_name(p, skip_ones=True)
-    job = Job(args.emit, name, args.nodes, procs, args.cpus_per_proc,
+    job = Job(args.emit, name, nodes, procs, args.cpus_per_proc,
               str(Path(args.config).resolve()), text, layout, run_dir, args.port, args.image or "meshtrain:latest",
-              args.partition, args.time, args.pvc, device)
+              args.partition, args.time, args.pvc, device, min_nodes=min_nodes if elastic else None,
+              max_restarts=elastic_launch.DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts,
+              rdzv_conf=conf)
+    if elastic and not (config.checkpoint.enabled and config.checkpoint.every):
+        job.warnings.append("checkpoint.every is 0: an elastic job resumes from its last checkpoint after a lost "
+                            "node, and without periodic ones that is its start; set checkpoint.every")
     if job.procs % p.tp:
         flag = "--gpus-per-node" if device == "cuda" else "--procs-per-node"
         job.warnings.append(f"parallel.tp = {p.tp} does not divide {flag} {job.procs}: tensor-parallel "
@@ -221,15 +252,21 @@ def emit_slurm(job: Job) -> str:
     """An sbatch script: one task (torchrun) per node, c10d rendezvous on the first node. On cuda it
     asks for the GPUs; on cpu for cores only (the task's cpus-per-task)."""
     cpus = job.procs * job.cpus_per_proc
-    sbatch: list[tuple[str, Any]] = [("job-name", job.name), ("nodes", job.nodes), ("ntasks-per-node", 1)]
+    nodes = f"{job.min_nodes}-{job.nodes}" if job.elastic else job.nodes
+    sbatch: list[tuple[str, Any]] = [("job-name", job.name), ("nodes", nodes), ("ntasks-per-node", 1)]
     sbatch += [("gpus-per-node", job.procs)] if job.device == "cuda" else []
     sbatch += [("cpus-per-task", cpus)]
     sbatch += [("partition", job.partition)] if job.partition else []
     sbatch += [("time", job.time or DEFAULT_TIME), ("output", "%x-%j.out")]
     q = shlex.quote
+    # elastic: a failed node must not end the allocation (--no-kill), nor a failed task the others
+    no_kill = ["#SBATCH --no-kill"] if job.elastic else []
+    srun = f"srun --cpus-per-task={cpus}" + (" --kill-on-bad-exit=0" if job.elastic else "")
+    elastic = ([f"    {elastic_launch.slurm_torchrun(job.max_restarts, job.rdzv_conf)} \\"] if job.elastic else [])
     return "\n".join([
         "#!/bin/bash",
         *(f"#SBATCH --{k}={v}" for k, v in sbatch),
+        *no_kill,
         f"# meshtrain launch: {job.describe()}.",
         "# Submit with `sbatch THIS_FILE`; the log is <job-name>-<job-id>.out in the submit directory.",
         "set -euo pipefail",
@@ -237,11 +274,15 @@ def emit_slurm(job: Job) -> str:
         f"export MASTER_PORT={job.port}",
         f"export OMP_NUM_THREADS={job.cpus_per_proc}",
         *(['export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"'] if job.device == "cuda" else []),
+        *([f"export {k}={v}  # a node that joins later gets the round's address (docs/training.md, Elastic)"
+           for k, v in elastic_launch.ENV.items()] if job.elastic else []),
         f"mkdir -p {q(job.run_dir)}",
         # Slurm 22.05's srun does not take cpus-per-task from the job (23.11 does again): without it
         # the step, and every worker of the node, would get one core
-        f"srun --cpus-per-task={cpus} torchrun --nnodes $SLURM_NNODES --nproc-per-node {job.procs} \\",
+        f"{srun} torchrun --nnodes {'$SLURM_NNODES' if not job.elastic else f'{job.min_nodes}:{job.nodes}'} "
+        f"--nproc-per-node {job.procs} \\",
         "    --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID \\",
+        *elastic,
         f"    -m meshtrain.train --config {q(job.config_path)} --out {q(job.run_dir)} {' '.join(job.overrides)}",
         ""])
 
@@ -251,7 +292,12 @@ def emit_slurm(job: Job) -> str:
 def torchrun_k8s(job: Job) -> list[str]:
     """The container command: static rendezvous on the Master pod. The training operator sets
     MASTER_ADDR (the Master's service), MASTER_PORT (its ``pytorchjob-port``) and RANK (the pod's
-    index: Master 0, Worker i -> i + 1) in every pod; Kubernetes expands ``$(VAR)``."""
+    index: Master 0, Worker i -> i + 1) in every pod; Kubernetes expands ``$(VAR)``. Elastic: the
+    rendezvous on worker 0 (``elastic_launch.k8s_torchrun``)."""
+    if job.elastic:
+        return [*elastic_launch.k8s_torchrun(job.name, job.min_nodes or 1, job.nodes, job.procs, job.max_restarts,
+                                             job.rdzv_conf),
+                "-m", "meshtrain.train", "--config", f"{CONFIG_DIR}/config.toml", "--out", job.run_dir, *job.overrides]
     return ["torchrun", "--nnodes", str(job.nodes), "--nproc-per-node", str(job.procs), "--node-rank", "$(RANK)",
             "--master-addr", "$(MASTER_ADDR)", "--master-port", "$(MASTER_PORT)", "-m", "meshtrain.train",
             "--config", f"{CONFIG_DIR}/config.toml", "--out", job.run_dir, *job.overrides]
@@ -267,7 +313,8 @@ def _replica(job: Job, replicas: int) -> dict[str, Any]:
     container = {"name": "pytorch", "image": job.image, "command": torchrun_k8s(job),
                  "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
                  "env": [*([{"name": "NCCL_DEBUG", "value": "WARN"}] if job.device == "cuda" else []),
-                         {"name": "OMP_NUM_THREADS", "value": str(job.cpus_per_proc)}],
+                         {"name": "OMP_NUM_THREADS", "value": str(job.cpus_per_proc)},
+                         *([{"name": k, "value": v} for k, v in elastic_launch.ENV.items()] if job.elastic else [])],
                  # on cpu the pod asks for the cores its workers use, as the Slurm job does. Quantities
                  # are strings, the schema's type (the operator SDK's models drop or retype a number)
                  "resources": {"limits": {"nvidia.com/gpu": str(job.procs)}} if job.device == "cuda"
@@ -277,14 +324,20 @@ def _replica(job: Job, replicas: int) -> dict[str, Any]:
 
 
 def emit_k8s(job: Job) -> str:
-    """A ConfigMap with the config and a Kubeflow ``PyTorchJob`` (Master + nodes-1 Workers), as one
-    multi-document YAML for ``kubectl apply -f``."""
+    """A ConfigMap with the config and a Kubeflow ``PyTorchJob`` (Master + nodes-1 Workers; elastic:
+    MAX Workers and an ``elasticPolicy``), as one multi-document YAML for ``kubectl apply -f``."""
     configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job.name}-config"},
                  "data": {"config.toml": job.config_text}}
-    specs = {"Master": _replica(job, 1)}
-    if job.nodes > 1:
-        specs["Worker"] = _replica(job, job.nodes - 1)
+    if job.elastic:  # the operator's elastic form: Workers only, the rendezvous on worker 0
+        specs = {"Worker": _replica(job, job.nodes)}
+    else:
+        specs = {"Master": _replica(job, 1)}
+        if job.nodes > 1:
+            specs["Worker"] = _replica(job, job.nodes - 1)
     spec: dict[str, Any] = {"pytorchReplicaSpecs": specs}
+    if job.elastic:
+        spec["elasticPolicy"] = elastic_launch.k8s_elastic_policy(job.min_nodes or 1, job.nodes, job.max_restarts,
+                                                                  job.rdzv_conf)
     if job.time:
         spec["runPolicy"] = {"activeDeadlineSeconds": seconds(job.time)}
     pytorchjob = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": job.name},

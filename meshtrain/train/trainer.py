@@ -8,6 +8,7 @@ world size is dp·pp·cp·tp. Every rank reads the same global batch; the model 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import sys
@@ -25,7 +26,7 @@ from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
-from . import elastic
+from . import elastic, elastic_world
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_io import step_dir_name
 from .checkpoint_async import CheckpointSaver
@@ -138,19 +139,19 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     loading = time.perf_counter()
     start_step, saved = _resume(config, ckpt_root, model, opt, loader, scaler)
     resumed = time.perf_counter()
-    # with elastic on, a resume under another layout than the checkpoint's is a metrics row (off, the
-    # file keeps one row per step, as readers of runs that reshard on purpose expect)
-    old_layout = elastic.layout_of_checkpoint(saved) if saved is not None and config.elastic.enabled else None
+    elastic_world.begin(run_dir, start_step)
     logger = None
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(configured))  # as launched: elastic derives layouts from it
+        row = None
+        if saved is not None and config.elastic.enabled:  # before the logger appends to metrics.jsonl
+            row = _elastic_row(config, run_dir, saved, start_step, reshaped, entered, loading, resumed)
         logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress)
-        if old_layout is not None and old_layout != degrees_of(p):
-            # what this process can time: from the trainer's start (the process group already
-            # formed) to the resume; detecting the change and the rendezvous happen before it
-            logger.event(elastic.world_change_row(start_step, old_layout, degrees_of(p), reshaped, {
-                "start_to_resume": resumed - entered, "setup": loading - entered, "load": resumed - loading}))
+        if row is not None:
+            stops = row.pop("_stops")
+            logger.event(row)
+            elastic_world.clear_stops(run_dir, stops)
     comm.barrier()  # the run directory exists before anyone writes into it
     start, loss = time.perf_counter(), float("nan")
     saver = CheckpointSaver(config.checkpoint.async_save)
@@ -174,6 +175,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             _check_finite(res, step, scaler, t, ckpt_root)  # before the step writes non-finite weights
             apply_step(opt, res, scaler)  # under fp16 an overflow on any rank skips it on all
             dt = time.perf_counter() - t0
+            elastic_world.note_step(step)  # a stop mark says which step the world finished last, and when
             comm_s = sum(g["total"]["time_s"] for g in comm.stats().values())
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
                       "mfu": flops_step / dt / peak, "peak_mem_bytes": peak_memory_bytes(device),
@@ -195,6 +197,9 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                 saver.wait()  # an async save of this step commits here
                 if saved_step != step:
                     save_checkpoint(str(ckpt_root), step, model, opt, extra(step), ck.keep)
+                elastic_world.write_stop(run_dir, comm.get_rank(), comm.get_world_size(),
+                                         f"SIGTERM: stopped after step {step} with its checkpoint (a membership "
+                                         f"change, or preemption)")
                 stopped = step
                 break
         saver.wait()  # an async save in flight is committed before the run ends
@@ -224,6 +229,40 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         write_json_atomic(str(run_dir / "summary.json"), summary)
         print(plan_check_line(check), flush=True)
     return summary
+
+
+def _elastic_row(config: Config, run_dir: Path, saved: dict[str, Any], step: int, reason: str | None,
+                 entered: float, loading: float, resumed: float) -> dict[str, Any] | None:
+    """The ``world_change`` row of an elastic resume under another layout than the checkpoint's, or
+    a ``restart`` row of one under the same layout that follows a stop (stop marks) or replays
+    steps; None for a plain resume. Its seconds are ``elastic_world.change_seconds``'; ``_stops``
+    (the marks read, removed once the row is written) is for the caller to pop."""
+    old = elastic.layout_of_checkpoint(saved)
+    new = degrees_of(config.parallel)
+    stops = elastic_world.read_stops(run_dir)
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line a killed rank 0 left half-written
+                continue
+    # wall clock: the stop marks come from other processes. A worker process counts from its own
+    # start (imports and process group included); ranks as threads from the trainer's.
+    wall = time.time() - time.perf_counter()
+    started = elastic_world.process_start() if "TORCHELASTIC_RUN_ID" in os.environ else entered + wall
+    seconds, replayed = elastic_world.change_seconds(stops, step, rows, started, loading + wall, resumed + wall)
+    changed = old is not None and old != new
+    if not changed and not stops and not replayed:
+        return None
+    if not changed:
+        reason = "the same layout"
+    row = elastic.world_change_row(step, old or new, new, reason, seconds,
+                                   event="world_change" if changed else "restart",
+                                   stopped_by=elastic_world.stopped_by(stops), replayed_steps=replayed)
+    row["_stops"] = stops
+    return row
 
 
 def _check_finite(res: StepResult, step: int, scaler: DynamicLossScaler | None, t: TrainSection,

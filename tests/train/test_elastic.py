@@ -24,7 +24,7 @@ import pytest
 from meshtrain import comm
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
-from meshtrain.train import elastic
+from meshtrain.train import elastic, elastic_launch
 from meshtrain.train.config import load_config
 from meshtrain.train.debug import describe_world_change, world_changes
 from meshtrain.train.elastic import allowed_worlds, effective_config, layout_for_world
@@ -132,6 +132,24 @@ def test_ranks_agree_to_stop_if_any_rank_was_asked():
     assert comm.run_local(3, rank, set()) == [False, False, False]
 
 
+def test_the_seconds_of_a_change_come_from_the_stop_marks_and_the_old_worlds_steps():
+    from meshtrain.train.elastic_world import change_seconds, stopped_by
+
+    stops = [{"step": 5, "step_end": 100.0, "stopped": 103.5, "why": "b"},
+             {"step": 5, "step_end": 100.2, "stopped": 103.0, "why": "a: the first to stop"}]
+    # step 5 ran twice (an earlier replay): its last run counts; steps 6 and 7 were not logged
+    rows = [{"step": s, "step_s": 0.5} for s in range(1, 6)] + [{"event": "restart"}, {"step": 5, "step_s": 0.75}]
+    secs, replayed = change_seconds(stops, 4, rows, started=110.0, load_start=112.0, load_end=112.25)
+    assert replayed == 1 and stopped_by(stops) == "a: the first to stop"
+    want = {"detect": 103.0 - 100.2, "rendezvous": 110.0 - 103.0, "setup": 2.0, "reshard": 0.25, "replay": 0.75}
+    assert secs == pytest.approx({**want, "total": sum(want.values())})
+    later = [{**m, "step": 7} for m in stops]  # the old world went 2 steps past its last logged one
+    secs, replayed = change_seconds(later, 4, rows, 110.0, 112.0, 112.25)
+    assert replayed == 3 and secs["replay"] == pytest.approx(0.75 + 2 * 0.5)  # the median step for the 2 unlogged
+    secs, replayed = change_seconds([], 4, rows, 110.0, 112.0, 112.25)  # no marks: a resume by hand
+    assert (secs["detect"], secs["rendezvous"], replayed) == (None, None, 1)
+
+
 # -- runs ---------------------------------------------------------------------------------------
 
 
@@ -177,7 +195,11 @@ def test_a_resume_on_half_the_ranks_trains_every_sample_once_with_the_same_losse
     assert change["event"] == "world_change" and change["step"] == 3
     assert (change["old_world"], change["new_world"]) == (4, 2)
     assert (change["old_layout"]["dp"], change["new_layout"]["dp"], change["new_layout"]["tp"]) == (2, 1, 2)
-    assert set(change["seconds"]) == {"start_to_resume", "setup", "load"} and change["seconds"]["load"] > 0
+    secs = change["seconds"]
+    assert set(secs) == {"detect", "rendezvous", "setup", "reshard", "replay", "total"} and secs["reshard"] > 0
+    # a resume started by hand from another run's checkpoint: no stop marks, nothing replayed here
+    assert secs["detect"] is None and secs["rendezvous"] is None and change["replayed_steps"] == 0
+    assert secs["total"] == pytest.approx(secs["setup"] + secs["reshard"])
     got = rows[1:]
     assert [r["step"] for r in got] == [4, 5, 6]
     # every sample once over both parts: steps 1-3 at dp=2, 4-6 at dp=1 are the loader's order
@@ -238,6 +260,12 @@ def test_sigterm_saves_at_a_step_boundary_and_the_resume_continues_with_the_next
 
     monkeypatch.setattr(trainer, "measure_step", step)
     assert main(args) == 0  # resumes from the saved step (elastic: checkpoint.resume = "auto")
+    # the same layout again: a restart row, timed from the stop marks the stopped ranks left
+    (restart,) = [r for r in _rows(out) if r.get("event") == "restart"]
+    assert (restart["step"], restart["replayed_steps"], restart["new_world"]) == (stop, 0, 4)
+    assert restart["stopped_by"].startswith(f"SIGTERM: stopped after step {stop}")
+    assert restart["seconds"]["detect"] >= 0 and restart["seconds"]["rendezvous"] >= 0, restart
+    assert not list((out / "elastic").glob("stop-*"))  # the marks are used up
     rows = _steps(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # none skipped, none repeated
     assert [r["samples"] for r in rows] == _reference_samples()
@@ -292,3 +320,119 @@ def test_a_sigterm_to_one_worker_process_stops_every_rank_after_the_same_step(tm
     rows = _steps(out)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["samples"] for r in rows] == _reference_samples(steps)
+
+
+# -- meshtrain launch --nodes MIN:MAX -------------------------------------------------------------
+
+ELASTIC_JOB = """[model]
+preset = "test"
+
+[train]
+global_batch = 6
+
+[parallel]
+dp = 3
+tp = 2
+
+[checkpoint]
+every = 2
+"""
+
+
+PP_JOB = ELASTIC_JOB.replace("dp = 3\ntp = 2", "dp = 2\ntp = 2\npp = 2\nmicrobatches = 2").replace("6", "8")
+"""dp2 x tp2 x pp2: 8 ranks, 4 nodes of 2; tp x pp = 4 does not fit 1 node nor divide 3 nodes' 6 ranks."""
+
+
+def _launch(tmp_path: Path, kind: str, *argv: str, config: str = ELASTIC_JOB) -> tuple[int, str]:
+    """``meshtrain launch --emit KIND --device cpu --procs-per-node 2 ...``: (exit code, the file or '')."""
+    (tmp_path / "job.toml").write_text(config)
+    out = tmp_path / f"job.{kind}"
+    rc = main(["launch", "--emit", kind, "--device", "cpu", "--procs-per-node", "2", "--config",
+               str(tmp_path / "job.toml"), "--out", str(out), *argv])
+    return rc, out.read_text() if out.exists() else ""
+
+
+def _torchrun(argv: list[str]):
+    from torch.distributed.run import get_args_parser
+
+    assert argv[0] == "torchrun"
+    return get_args_parser().parse_args(argv[1:])
+
+
+def test_an_elastic_slurm_job_asks_for_min_to_max_nodes_and_survives_a_lost_one(tmp_path):
+    import shlex
+
+    rc, script = _launch(tmp_path, "slurm", "--nodes", "2:3", "--max-restarts", "5", "--rdzv-conf",
+                         "last_call_timeout=5")
+    assert rc == 0
+    lines = script.replace("\\\n", " ").splitlines()
+    assert "#SBATCH --nodes=2-3" in lines and "#SBATCH --no-kill" in lines
+    assert any(x.startswith("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") for x in lines)
+    (srun,) = [shlex.split(x) for x in lines if x.startswith("srun ")]
+    assert srun[:3] == ["srun", "--cpus-per-task=16", "--kill-on-bad-exit=0"]
+    a = _torchrun(srun[3:])
+    conf = dict(kv.split("=") for kv in a.rdzv_conf.split(","))
+    assert (a.nnodes, a.max_restarts, a.rdzv_backend) == ("2:3", 5, "c10d")
+    assert conf == {**{k: str(v) for k, v in elastic_launch.RDZV_CONF.items()}, "last_call_timeout": "5"}
+    args = a.training_script_args
+    assert args[:2] == ["--config", str((tmp_path / "job.toml").resolve())] and args[2] == "--out"
+    assert load_config(args[1], args[4:]).elastic.enabled  # what each worker loads
+    # a fixed job is as before: no elastic flag anywhere
+    rc, fixed = _launch(tmp_path, "slurm", "--nodes", "3")
+    assert rc == 0 and "--nnodes $SLURM_NNODES" in fixed
+    assert not [w for w in ("--elastic.enabled", "--no-kill", "--max-restarts", "TORCH_DISABLE") if w in fixed]
+
+
+def test_an_elastic_pytorchjob_has_the_operators_elastic_policy_and_workers_only(tmp_path):
+    import yaml
+
+    from .test_launch_emit import pytorchjob_schema_errors
+
+    rc, text = _launch(tmp_path, "k8s", "--nodes", "2:3", "--pvc", "runs")
+    assert rc == 0
+    _, job = yaml.safe_load_all(text)
+    spec = job["spec"]
+    assert spec["pytorchReplicaSpecs"].keys() == {"Worker"} and spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
+    policy = spec["elasticPolicy"]
+    assert (policy["minReplicas"], policy["maxReplicas"], policy["rdzvBackend"]) == (2, 3, "c10d")
+    assert policy["maxRestarts"] == elastic_launch.DEFAULT_MAX_RESTARTS
+    conf = {c["key"]: c["value"] for c in policy["rdzvConf"]}
+    assert conf == {k: str(v) for k, v in elastic_launch.RDZV_CONF.items()}
+    assert pytorchjob_schema_errors(job) == []
+    (c,) = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in c["env"]
+    # the operator sets PET_RDZV_ENDPOINT to worker 0's service and the Workers' pytorchjob-port
+    argv = [a.replace("$(PET_RDZV_ENDPOINT)", "meshtrain-job-worker-0:29500") for a in c["command"]]
+    a = _torchrun(argv)
+    assert (a.nnodes, a.rdzv_endpoint, a.rdzv_backend, a.nproc_per_node) == ("2:3", "meshtrain-job-worker-0:29500",
+                                                                             "c10d", "2")
+    assert "--elastic.enabled=true" in a.training_script_args
+
+
+@pytest.mark.parametrize("argv, config, message", [
+    (["--nodes", "3:2"], ELASTIC_JOB, "--nodes 3:2: MIN 3 is larger than MAX 2"),
+    (["--nodes", "two"], ELASTIC_JOB, "--nodes 'two' is not a node count N or a range MIN:MAX"),
+    (["--nodes", "3", "--max-restarts", "3"], ELASTIC_JOB, "--max-restarts and --rdzv-conf apply to an elastic job"),
+    (["--nodes", "2:3", "--rdzv-conf", "last_call_timeout"], ELASTIC_JOB, "'last_call_timeout' is not KEY=VALUE"),
+    # tp x pp x cp = 4 neither fits 1 node of 2 ranks nor divides the 6 of 3 nodes: the first is explained
+    (["--nodes", "1:4"], PP_JOB,
+     "lets the job go on with 1 node(s) = 2 ranks, but elastic: no layout for the 2 ranks this run got (configured "
+     "dp=2 tp=2 pp=2 on 8): tp x pp x cp = 2 x 2 x 1 = 4 is larger than the 2 ranks left"),
+    (["--nodes", "1:4"], PP_JOB, "(node counts without a layout: [1, 3])"),
+    # a global batch of 3 on dp 3: with 2 nodes dp would be 2, which does not divide it
+    (["--nodes", "2:3"], ELASTIC_JOB.replace("global_batch = 6", "global_batch = 3"),
+     "train.global_batch = 3 is not divisible by dp x microbatches = 2 x 1"),
+])
+def test_an_elastic_job_that_cannot_go_on_is_not_written(tmp_path, capsys, argv, config, message):
+    for kind in ("slurm", "k8s"):
+        rc, text = _launch(tmp_path, kind, *argv, config=config)
+        err = capsys.readouterr().err
+        assert rc == 2 and text == "" and message in err and err.startswith("meshtrain launch: error: "), err
+
+
+def test_a_min_too_low_for_the_layout_is_named_with_the_min_that_works():
+    cfg = load_config(None, ["--model.preset=test", "--parallel.dp=3", "--parallel.tp=2", "--train.global_batch=6"])
+    with pytest.raises(ConfigError) as e:  # 1 node of 1 rank cannot hold tp = 2; 2 and 3 nodes can
+        elastic_launch.check_node_counts(cfg, 1, 3, 1, "job.toml")
+    assert "with 1 node(s) = 1 ranks, but" in str(e.value) and str(e.value).endswith("[1]); or use --nodes 2:3")
+    elastic_launch.check_node_counts(cfg, 2, 3, 1, "job.toml")  # no error
