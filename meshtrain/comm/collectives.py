@@ -121,7 +121,7 @@ def _gathered(g: Group, algo: str, inp: torch.Tensor, outs: list[torch.Tensor] |
         if ctx.size == 1:  # a group of one (a mesh axis of size 1): the gather is a copy
             dst = whole if whole is not None else outs[0]  # type: ignore[index]
             if dst.data_ptr() != inp.data_ptr():
-                dst.copy_(inp.view(dst.shape) if inp.is_contiguous() else inp.reshape(dst.shape))
+                dst.copy_(inp if inp.shape == dst.shape else inp.reshape(dst.shape))
         else:
             run(ctx, g, inp, outs, whole)
         return outs if result is None else result
@@ -171,8 +171,9 @@ def _reduce_scattered(g: Group, algo: str, rop: ReduceOp, out: torch.Tensor, ins
 
     def body(ctx: Ctx) -> torch.Tensor:
         if ctx.size == 1:  # a group of one: its reduction is its input (an average over one, too)
-            if out.data_ptr() != ins[0].data_ptr():
-                out.copy_(ins[0].reshape(out.shape))
+            src = ins[0]
+            if out.data_ptr() != src.data_ptr():
+                out.copy_(src if src.shape == out.shape else src.reshape(out.shape))
             return out
         mine = run(ctx, g, out, ins, rop)  # in the working dtype: AVG divides before rounding
         finish_avg(mine, rop, g.size)
@@ -206,9 +207,12 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
             f"reduce_scatter_tensor: input has {input.numel()} elements of {input.dtype}; it needs "
             f"world size {g.size} x {output.numel()} = {g.size * output.numel()} elements of {output.dtype}"
         )
-    flat = input.reshape(-1)
-    n = output.numel()
-    ins = [flat[i * n : (i + 1) * n] for i in range(g.size)]
+    if g.size == 1:  # its one part is the whole input (no flat view and slices to make)
+        ins = [input]
+    else:
+        flat = input.reshape(-1)
+        n = output.numel()
+        ins = [flat[i * n : (i + 1) * n] for i in range(g.size)]
     nbytes = input.numel() * input.element_size()
     algo = choose_algorithm(g, "reduce_scatter", algorithm, nbytes, output.dtype)
     body = _reduce_scattered(g, algo, rop, output, ins)
