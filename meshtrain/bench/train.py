@@ -22,15 +22,16 @@ PEER = {"meshtrain-dp": "torch-ddp", "meshtrain-dp-shm": "torch-ddp", "meshtrain
 TRANSPORT = {"meshtrain-dp-shm": "shm"}
 
 
-def _wrap(impl: str, model: torch.nn.Module, bucket_cap_mb: float, algorithm: str = "auto") -> tuple[torch.nn.Module, Any]:
-    """The model wrapped by ``impl`` and its optimizer."""
+def _wrap(impl: str, model: torch.nn.Module, bucket_cap_mb: float | str,
+          algorithm: str = "auto") -> tuple[torch.nn.Module, Any]:
+    """The model wrapped by ``impl`` and its optimizer (``bucket_cap_mb="auto"``: DDP keeps its 25)."""
     import torch.distributed as dist
 
     opt_kw = dict(lr=3e-4, weight_decay=0.1)
     if impl == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        m = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        m = DistributedDataParallel(model, bucket_cap_mb=25.0 if bucket_cap_mb == "auto" else bucket_cap_mb)
         return m, torch.optim.AdamW(model.parameters(), **opt_kw)
     if impl in ("meshtrain-dp", "meshtrain-dp-shm"):
         from ..comm.compress import AllReduceHook
@@ -57,7 +58,7 @@ def _wrap(impl: str, model: torch.nn.Module, bucket_cap_mb: float, algorithm: st
 
 
 def worker(rank: int, impl: str, preset: str, batch: int, seq: int, steps: int, warmup: int,
-           bucket_cap_mb: float, algorithm: str = "auto") -> dict[str, Any]:
+           bucket_cap_mb: float | str, algorithm: str = "auto") -> dict[str, Any]:
     """Runs in each spawned rank: train ``steps`` timed steps after ``warmup``; report speed and memory."""
     import torch.distributed as dist
 
@@ -75,16 +76,20 @@ def worker(rank: int, impl: str, preset: str, batch: int, seq: int, steps: int, 
     data = torch.randint(0, cfg.vocab_size, (warmup + steps, batch, seq + 1), generator=g)
     loss = torch.zeros(())
     t0 = 0.0
+    step_s = []  # each timed step's seconds: their median shrugs off a burst of a shared machine's load
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
             t0 = time.perf_counter()
+        ts = time.perf_counter()
         x, y = data[i, :, :-1], data[i, :, 1:]
         opt.zero_grad()
         logits = wrapped(x)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
         loss.backward()
         opt.step()
+        if i >= warmup:
+            step_s.append(time.perf_counter() - ts)
     dist.barrier()
     elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -92,9 +97,10 @@ def worker(rank: int, impl: str, preset: str, batch: int, seq: int, steps: int, 
 
     algos = sorted({f"{r['op']}:{r['algorithm']}" for r in comm.flight_recorder()[-50:]}) if impl.startswith("meshtrain") else []
     return {"impl": impl, "world_size": world, "tokens_per_s": world * batch * seq * steps / elapsed,
-            "step_s": elapsed / steps, "peak_mem_bytes": peak, "start_mem_bytes": start_rss,
+            "step_s": elapsed / steps, "step_s_median": statistics.median(step_s), "peak_mem_bytes": peak, "start_mem_bytes": start_rss,
             "loss": float(loss.detach()), "params": n_params,
-            "collectives": algos}
+            "collectives": algos, "bucket_cap_bytes": getattr(wrapped, "bucket_cap_bytes", None),
+            "buckets": len(getattr(wrapped, "buckets", ()))}
 
 
 def run(worlds: list[int], impls: list[str], trials: int, **kw: Any) -> list[dict[str, Any]]:

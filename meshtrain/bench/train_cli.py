@@ -25,10 +25,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--trials", type=int, default=1, help="interleaved repetitions; the median is reported")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for both DPs")
+    p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=25.0,
+                   help="gradient bucket size in MiB for both DPs (default 25), or auto: meshtrain's sized "
+                        "from the calibrated link, DDP's 25")
+    p.add_argument("--bucket-sweep", metavar="SIZES",
+                   help="comma list of bucket sizes in MiB and auto (e.g. 1,4,16,64,auto): run meshtrain-dp (or "
+                        "meshtrain-dp-shm from --impls) at each, interleaved over --trials, and report each as a "
+                        "ratio to the best fixed size")
     p.add_argument("--algorithm", default="auto",
                    help="all-reduce algorithm of meshtrain DataParallel's buckets (auto, ring, native, ...)")
     p.add_argument("--json", dest="json_path", help="write one record per implementation and world size")
+
+
+def _bucket_cap(text: str) -> float | str:
+    """--bucket-cap-mb: "auto" or a positive number."""
+    if text == "auto":
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a size in MiB nor 'auto'") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size in MiB, or 'auto'")
+    return v
 
 
 def _fail(msg: str) -> int:
@@ -61,10 +80,34 @@ def main(args: argparse.Namespace) -> int:
                      f"{PRESETS[args.preset].max_seq_len}")
     if args.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(args.json_path))):
         return _fail(f"--json: directory of {args.json_path!r} does not exist; create it first")
+    if args.bucket_sweep is not None:
+        return _sweep(args, impls, worlds)
     records = run(worlds, impls, args.trials, preset=args.preset, batch=args.batch, seq=args.seq,
                   steps=args.steps, warmup=args.warmup, bucket_cap_mb=args.bucket_cap_mb,
                   algorithm=args.algorithm)
     print_table(records, args)
+    if args.json_path:
+        write_json_atomic(args.json_path, {"config": {k: v for k, v in vars(args).items() if k != "func"},
+                                           "records": records})
+        print(f"# wrote {args.json_path}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, impls: list[str], worlds: list[int]) -> int:
+    """--bucket-sweep: DataParallel at each size (``bucket_sweep.py``)."""
+    from .bucket_sweep import SWEEP_IMPLS, parse_sweep, print_sweep, run_sweep
+
+    try:
+        sizes = parse_sweep(args.bucket_sweep)
+    except ValueError as exc:
+        return _fail(str(exc))
+    dps = [i for i in impls if i in SWEEP_IMPLS]
+    if len(dps) != 1:
+        return _fail(f"--bucket-sweep runs one DataParallel implementation; --impls has {dps or impls}: pass "
+                     f"--impls {' or --impls '.join(SWEEP_IMPLS)}")
+    records = run_sweep(worlds, dps[0], sizes, args.trials, preset=args.preset, batch=args.batch, seq=args.seq,
+                        steps=args.steps, warmup=args.warmup, algorithm=args.algorithm)
+    print_sweep(records, args.preset, dps[0], args.trials)
     if args.json_path:
         write_json_atomic(args.json_path, {"config": {k: v for k, v in vars(args).items() if k != "func"},
                                            "records": records})

@@ -52,41 +52,49 @@ def _base_and_optional(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
+def _alternatives(tp: Any) -> tuple[type, ...]:
+    """The types a field accepts, None aside: ``float | str`` (a size or "auto") has two."""
+    return tuple(a for a in typing.get_args(tp) if a is not type(None)) or (tp,)
+
+
 _TYPE_NAMES = {bool: ("a boolean", "true"), int: ("an integer", "1"), float: ("a number", "1.0"), str: ("a string", '"..."')}
 
 
 def _type_error(key: str, tp: Any, got: str) -> ConfigError:
-    base, opt = _base_and_optional(tp)
-    name, example = _TYPE_NAMES[base]
-    return ConfigError(f"{key} must be {name}{' (or none)' if opt else ''}, got {got}; e.g. {key} = {example}")
+    _, opt = _base_and_optional(tp)
+    names = [_TYPE_NAMES[a] for a in _alternatives(tp)]
+    return ConfigError(f"{key} must be {' or '.join(n for n, _ in names)}{' (or none)' if opt else ''}, got {got}; "
+                       f"e.g. {key} = {names[0][1]}")
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """A TOML value checked against the field type (ints are accepted for floats)."""
-    base, opt = _base_and_optional(tp)
+    _, opt = _base_and_optional(tp)
+    bases = _alternatives(tp)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ((value is None and opt) or (base is float and number) or (base is int and number and isinstance(value, int))
-            or (base in (bool, str) and isinstance(value, base))):
+    if not ((value is None and opt) or (float in bases and number) or (int in bases and number and isinstance(value, int))
+            or any(b in (bool, str) and isinstance(value, b) for b in bases)):
         raise _type_error(key, tp, f"{type(value).__name__} {value!r}")
-    return float(value) if base is float and value is not None else value
+    return float(value) if float in bases and number else value
 
 
 def parse_value(key: str, raw: str, tp: Any) -> Any:
     """A command-line string parsed to the field type: booleans true/false/1/0/yes/no/on/off,
     ints (underscores allowed), floats, strings as given, "none" for optional fields."""
-    base, opt = _base_and_optional(tp)
+    _, opt = _base_and_optional(tp)
     text = raw.strip().lower()
     if opt and text in ("none", "null"):
         return None
-    try:
-        if base is bool and text in _TRUE + _FALSE:
-            return text in _TRUE
-        if base in (int, float):
-            return base(text)
-    except ValueError:
-        pass
-    if base is str:
-        return raw
+    for base in _alternatives(tp):  # in the order written: ``float | str`` tries the number first
+        try:
+            if base is bool and text in _TRUE + _FALSE:
+                return text in _TRUE
+            if base in (int, float):
+                return base(text)
+        except ValueError:
+            pass
+        if base is str:
+            return raw
     raise _type_error(key, tp, repr(raw))
 
 

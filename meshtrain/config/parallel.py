@@ -42,8 +42,10 @@ class ParallelConfig:
     """Micro-batches per step (per data-parallel rank); 1F1B needs at least pp."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule)."""
-    bucket_cap_mb: float = 25.0
-    """Data-parallel gradient bucket size."""
+    bucket_cap_mb: float | str = "auto"
+    """Gradient bucket size in MiB of data parallelism and ZeRO-1/2, or "auto": sized at start-up from
+    the measured link (the smallest bucket whose latency is under 5% of its transfer time, at most a
+    quarter of the gradients so that backward overlaps; ``meshtrain/parallel/bucket_size.py``), logged."""
     precision: str = "fp32"
     """"fp32", "bf16" or "fp16": forwards under ``torch.autocast`` to that dtype; parameters,
     gradients, their reductions and the optimizer stay fp32 (fp32 masters). fp16 needs loss
@@ -75,11 +77,25 @@ def check_parallel_values(values: Mapping[str, Any], key: Callable[[str], str] =
     if values["zero_stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"{key('zero_stage')} = {values['zero_stage']!r}: use 0 (plain data parallel), 1, 2 or 3")
     check_offload(values["offload"], values["zero_stage"], key)
+    check_bucket_cap(values["bucket_cap_mb"], key)
     if values["precision"] not in PRECISIONS:
         raise ConfigError(f"{key('precision')} = {values['precision']!r} is not one of {', '.join(PRECISIONS)}")
     for name in ("checkpoint_every", "microbatches", "virtual_stages"):
         if not isinstance(values[name], int) or values[name] < 1:
             raise ConfigError(f"{key(name)} = {values[name]!r} must be a positive integer")
+
+
+def check_bucket_cap(value: object, key: Callable[[str], str] = _same) -> None:
+    """Raise ``ConfigError`` unless ``value`` is "auto" or a positive, finite number of MiB (the
+    gradient bucket size); ``key`` names the field as in ``check_parallel_values``."""
+    name = key("bucket_cap_mb")
+    fix = f'use "auto" (sized from the measured link at start-up) or a number of MiB, e.g. {name} = 25'
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} = {value!r} is not a bucket size: {fix}")
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name} must be positive or \"auto\", got {value!r}: {fix}")
 
 
 def check_offload(offload: object, zero_stage: int, key: Callable[[str], str] = _same) -> None:
@@ -127,5 +143,5 @@ def check_expert_parallel(cfg: LlamaConfig, ep: int, tp: int = 1, seq_len: int |
                           f"sequence length that is a multiple of cp x tp")
 
 
-__all__ = ["AC_MODES", "OFFLOAD_MODES", "PRECISIONS", "ParallelConfig", "check_expert_parallel", "check_offload",
-           "check_parallel_values", "check_tensor_parallel"]
+__all__ = ["AC_MODES", "OFFLOAD_MODES", "PRECISIONS", "ParallelConfig", "check_bucket_cap", "check_expert_parallel",
+           "check_offload", "check_parallel_values", "check_tensor_parallel"]

@@ -19,6 +19,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .. import comm
 from ..comm import Group
 from ..comm.device import on_host
+from ..config.parallel import check_bucket_cap
+from .bucket_size import log_auto, resolve_bucket_cap
 from .buckets import GradBucket, build_buckets
 from .grad_groups import ReduceGroup, by_reduce_group
 
@@ -72,7 +74,9 @@ class DataParallel(nn.Module):
     * Parameters and buffers are broadcast from the group's first rank when wrapped; buffers again
       before every forward if ``broadcast_buffers`` (batch-norm statistics stay identical).
     * Gradients live in flat buckets of about ``bucket_cap_mb`` (the first: ``first_bucket_mb``,
-      so the first reduction starts early) in reverse registration order:
+      so the first reduction starts early) in reverse registration order; ``"auto"`` sizes them
+      from the group's calibrated link at construction (``bucket_size.py``; collective, logged on
+      rank 0, kept in ``bucket_cap_bytes``):
       every ``.grad`` is a view into its bucket, so no flatten/unflatten copies are made. A
       bucket's reduction starts on a background thread the moment its last gradient has been
       accumulated (post-accumulate-grad hooks), while backward goes on; buckets are launched in
@@ -90,12 +94,11 @@ class DataParallel(nn.Module):
       own (``grad_groups``).
     """
 
-    def __init__(self, module: nn.Module, group: Group | None = None, *, bucket_cap_mb: float = 25.0,
+    def __init__(self, module: nn.Module, group: Group | None = None, *, bucket_cap_mb: float | str = "auto",
                  first_bucket_mb: float = 1.0, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  comm_hook: CommHook | None = None, reduce_groups: Mapping[str, ReduceGroup] | None = None) -> None:
         super().__init__()
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        check_bucket_cap(bucket_cap_mb)  # before any collective: a bad value fails alike on every rank
         self.module = module
         self.group = group or comm.current().world
         self.find_unused_parameters = find_unused_parameters
@@ -109,12 +112,21 @@ class DataParallel(nn.Module):
         broadcast_tensors([p for _, p in module.named_parameters() if not p.requires_grad] + list(module.buffers()),
                           self.group)
         position = {id(p): i for i, (_, p) in enumerate(reversed(named))}
+        self.bucket_cap_bytes = 0
+        """The bucket size in bytes of the wrapper's own group (with "auto": the size chosen)."""
         for rg, members in parts:
-            for b in build_buckets(members, int(bucket_cap_mb * (1 << 20)),
-                                   first_cap_bytes=int(min(first_bucket_mb, bucket_cap_mb) * (1 << 20)),
-                                   alloc=functools.partial(self._bucket_buffer, rg.group)):
+            # per reduce group: each is sized from its own link, identically on all its members
+            nbytes = sum(p.numel() * p.element_size() for _, p in members)
+            cap, why = resolve_bucket_cap(bucket_cap_mb, rg.group, nbytes)
+            made = build_buckets(members, cap, first_cap_bytes=min(int(first_bucket_mb * (1 << 20)), cap),
+                                 alloc=functools.partial(self._bucket_buffer, rg.group))
+            for b in made:
                 b.group, b.scale = rg.group, rg.scale
                 self.buckets.append(b)
+            if rg.group is self.group or not self.bucket_cap_bytes:
+                self.bucket_cap_bytes = cap
+                if why is not None and rg.group is self.group:
+                    log_auto("DataParallel", cap, why, len(made), nbytes)
         # launched in the order backward fills them, the same on every rank of a stage
         self.buckets.sort(key=lambda b: position[id(b.params[0])])
         for i, b in enumerate(self.buckets):

@@ -168,7 +168,7 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
         # over the replicas
         return ZeroModel(model, config.zero_stage, mesh.group(ZERO_VIEW), units=list(model.layers.values()),
                          mixed_precision=mp, replicate_group=mesh.group("dp_replicate"), view=ZERO_VIEW,
-                         reduce_groups=groups, offload=config.offload)
+                         reduce_groups=groups, offload=config.offload, bucket_cap_mb=config.bucket_cap_mb)
     if mesh.dp_cp.size > 1 or groups:
         # buffers are equal on every rank by construction (the routing bias is updated from
         # all-reduced counts): no broadcast before each forward

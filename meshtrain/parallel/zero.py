@@ -1,7 +1,8 @@
 """ZeRO stages 1-3 over a data-parallel group (Rajbhandari et al. 2020), with mixed precision.
 
-``ZeroModel(module, stage=s, group=dp)`` flattens the parameters into ``FlatUnit``s, each sharded
-evenly over the group, and ``ZeroOptimizer(zero_model, torch.optim.AdamW, lr=...)`` runs any torch
+``ZeroModel(module, stage=s, group=dp)`` flattens the parameters into ``FlatUnit``s (ZeRO-3: one per
+block; ZeRO-1/2: buckets of ``bucket_cap_mb`` of gradient, "auto" by default as DataParallel's), each
+sharded evenly over the group, and ``ZeroOptimizer(zero_model, torch.optim.AdamW, lr=...)`` runs any torch
 optimizer on this rank's fp32 shards only:
 
 * stage 1: optimizer state is 1/dp per rank; every rank keeps full parameters and a full gradient
@@ -26,7 +27,8 @@ from torch import nn
 
 from .. import comm
 from ..comm import Group, Work
-from ..config.parallel import check_offload
+from ..config.parallel import check_bucket_cap, check_offload
+from .bucket_size import log_auto, resolve_bucket_cap, split_by_bytes
 from .flat_unit import FlatUnit
 from .grad_groups import ReduceGroup, by_reduce_group
 from .offload import host_optimizer, step_on_host
@@ -38,16 +40,24 @@ from .zero_state import (check_shapes, load_optimizer_shards, model_shard_state,
 class ZeroModel(nn.Module):
     """A module whose parameters are sharded over ``group`` in ZeRO ``stage`` 1, 2 or 3; with a
     ``replicate_group`` (HSDP), each of its ranks holds a replica of this rank's shards; with
-    ``offload`` ("optimizer", or "params" for stage 3) the fp32 masters live in host memory."""
+    ``offload`` ("optimizer", or "params" for stage 3) the fp32 masters live in host memory.
+
+    ``units`` are the blocks ZeRO-3 gathers around their forward (default: the direct children
+    with parameters). ZeRO-1/2 cut their units by ``bucket_cap_mb`` instead (MiB of reduced
+    gradient, or "auto": sized from the group's link at construction, collective, logged on rank 0;
+    ``bucket_cap_bytes`` keeps it); ``bucket_cap_mb=None`` gives them one unit per block too."""
 
     def __init__(self, module: nn.Module, stage: int, group: Group | None = None, *,
                  units: Iterable[nn.Module] | None = None, mixed_precision: MixedPrecision | None = None,
                  prefetch: bool = True, replicate_group: Group | None = None, view: str | None = None,
-                 reduce_groups: Mapping[str, ReduceGroup] | None = None, offload: str = "none") -> None:
+                 reduce_groups: Mapping[str, ReduceGroup] | None = None, offload: str = "none",
+                 bucket_cap_mb: float | str | None = "auto") -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         check_offload(offload, stage)
+        if bucket_cap_mb is not None:
+            check_bucket_cap(bucket_cap_mb)
         self.module = module
         self.stage = stage
         self.offload = offload
@@ -91,12 +101,19 @@ class ZeroModel(nn.Module):
         for name, p in named:
             slot = owner[id(p)] + 1 if id(p) in owner else 0
             per_slot[slot].setdefault((id(rg_of[id(p)]), id(p) in fp32), []).append((name, p))
+        chunks = [[(fp, members) for (_, fp), members in by_group.items()] for by_group in per_slot]
+        self.bucket_cap_bytes: int | None = None
+        """ZeRO-1/2's unit size in bytes of gradients (with "auto": the size chosen); None: units are blocks."""
+        if stage < 3 and bucket_cap_mb is not None:
+            # ZeRO-1/2 gather nothing around a block's forward: their units are buckets by size, as
+            # DataParallel's (and DeepSpeed's reduce_bucket_size), in one slot
+            chunks = [self._size_units(named, rg_of, fp32, bucket_cap_mb)]
         self.units: list[FlatUnit] = []
         self._slots: list[list[FlatUnit]] = []
         self._slot_of_module: dict[int, int] = {}  # a block -> its index in _slots
-        for slot, by_group in enumerate(per_slot):
+        for slot, pieces in enumerate(chunks):
             made = []
-            for (_, keep_fp32), members in by_group.items():
+            for keep_fp32, members in pieces:
                 rg = rg_of[id(members[0][1])]
                 dtype = torch.float32 if keep_fp32 else self.mp.param_dtype
                 made.append(FlatUnit(len(self.units), members, rg.group, dtype, self.mp.reduce_dtype,
@@ -106,7 +123,7 @@ class ZeroModel(nn.Module):
                 if slot:
                     self._slot_of_module[id(blocks[slot - 1])] = len(self._slots)
                 self._slots.append(made)
-        self._root = self._slots[0] if per_slot[0] and self._slots else []
+        self._root = self._slots[0] if chunks[0] and self._slots else []
         self._where = {}
         for u in self.units:
             for i, p in enumerate(u.params):
@@ -125,6 +142,29 @@ class ZeroModel(nn.Module):
                     m.register_forward_hook(self._post_forward)
             for u in self.units:
                 u.free()
+
+    def _size_units(self, named: list[tuple[str, nn.Parameter]], rg_of: dict[int, ReduceGroup], fp32: set[int],
+                    bucket_cap_mb: float | str) -> list[tuple[bool, list[tuple[str, nn.Parameter]]]]:
+        """ZeRO-1/2's units: per (reduce group, fp32) the parameters cut by ``bucket_cap_mb`` of reduced
+        gradient, from the end as backward produces them; all in order of their first parameter, so
+        that backward completes them from the last. "auto" sizes each group from its link (collective)."""
+        parts: dict[tuple[int, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in named:
+            parts.setdefault((id(rg_of[id(p)]), id(p) in fp32), []).append((name, p))
+        out = []
+        elem = torch.empty((), dtype=self.mp.reduce_dtype or torch.float32).element_size()
+        for (_, keep_fp32), members in parts.items():
+            rg = rg_of[id(members[0][1])]
+            nbytes = sum(p.numel() for _, p in members) * elem
+            cap, why = resolve_bucket_cap(bucket_cap_mb, rg.group, nbytes, "reduce_scatter")
+            runs = split_by_bytes(members, cap, elem)
+            out += [(keep_fp32, run) for run in runs]
+            if rg.group is self.group and not keep_fp32:
+                self.bucket_cap_bytes = cap
+                if why is not None:
+                    log_auto(f"ZeRO-{self.stage}", cap, why, len(runs), nbytes)
+        position = {id(p): i for i, (_, p) in enumerate(named)}
+        return sorted(out, key=lambda c: position[id(c[1][0][1])])
 
     def _gather_slot(self, slot: int) -> None:
         """Start gathering every unit of a slot (prefetch)."""

@@ -104,9 +104,10 @@ def _counting(real):
     return gather
 
 
-def _zero(rank: int, stage: int, root: str, load: bool) -> tuple[int, int, int]:
+def _zero(rank: int, stage: int, root: str, load: bool) -> tuple[int, int, int, int]:
     """dp2 ZeRO on TINY: one step, then save (or load); the all-gathers the step issued (the
-    counter works) and those the save (load) issued, and the bytes of this rank's fp32 master shard."""
+    counter works) and those the save (load) issued, the bytes of this rank's fp32 master shard and
+    the number of ZeRO units (stages 1/2: buckets of bucket_cap_mb; 3: one per block and the root)."""
     model = ParallelModel(TINY, Mesh(dp=2), ParallelConfig(zero_stage=stage), seed=0)
     opt = model.build_optimizer(torch.optim.AdamW, lr=1e-3)
     d = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
@@ -120,7 +121,8 @@ def _zero(rank: int, stage: int, root: str, load: bool) -> tuple[int, int, int]:
     else:
         save_checkpoint(root, 1, model, opt, {})
     shard = sum(u.shard_size for s in model.stages.values() for u in s.units) * 4
-    return in_step, ACTIVE.pop(threading.get_ident()), shard
+    units = sum(len(s.units) for s in model.stages.values())
+    return in_step, ACTIVE.pop(threading.get_ident()), shard, units
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -128,18 +130,19 @@ def test_a_zero_save_gathers_nothing_and_each_rank_writes_its_own_shard(stage, t
     monkeypatch.setattr(comm, "all_gather_into_tensor", _counting(comm.all_gather_into_tensor))
     root = str(tmp_path)
     saved = comm.run_local(2, _zero, stage, root, False, timeout=60)
-    assert all(n > 0 for n, _, _ in saved)  # a ZeRO step gathers its units (the counter works)
-    assert [g for _, g, _ in saved] == [0, 0]  # no rank gathered a shard to save
+    assert all(n > 0 for n, _, _, _ in saved)  # a ZeRO step gathers its units (the counter works)
+    assert [g for _, g, _, _ in saved] == [0, 0]  # no rank gathered a shard to save
     step = os.path.join(root, "step-00000001")
-    for r, (_, _, shard) in enumerate(saved):
+    for r, (_, _, shard, _) in enumerate(saved):
         size = os.path.getsize(os.path.join(step, f"rank-{r:05d}.safetensors"))
         # master + AdamW's two moments of its own shard, plus the header; nothing of the other rank
         assert 3 * shard * 0.9 < size < 3 * shard + 64 * 1024, (size, shard)
     loaded = comm.run_local(2, _zero, stage, root, True, timeout=60)
     # a load reads only this rank's shard; stages 1 and 2 then refresh their full compute parameters
     # (one all-gather per unit, into the buffers they always keep); ZeRO-3 gathers at the next forward
-    units = 1 + TINY.n_layers  # the root unit (embedding, norm, head) and one per block
-    assert [g for _, g, _ in loaded] == [0 if stage == 3 else units] * 2
+    assert [g for _, g, _, _ in loaded] == [0 if stage == 3 else units for _, _, _, units in loaded]
+    if stage == 3:
+        assert loaded[0][3] == 1 + TINY.n_layers  # the root unit (embedding, norm, head) and one per block
 
 
 def test_a_checkpoint_that_does_not_fit_changes_nothing_on_any_rank(tmp_path):

@@ -54,7 +54,10 @@ def test_ring_runs_every_training_collective_with_ring_and_trains_like_auto(tmp_
     auto_algos = {r["algorithm"] for recs in auto_recs for r in recs if r["op"] in RING_OPS and r["group_ranks"][1:]}
     assert auto_algos - {"ring"}, "auto already chose ring everywhere: this run would show nothing"
     for recs in ring_recs:
-        ran = [r for r in recs if r["op"] in RING_OPS]
+        # the world's first call is check_same_config's all-reduce, made before the run's algorithm is
+        # set on purpose (ranks configured with different algorithms must meet it to be told so)
+        assert (recs[0]["group"], recs[0]["seq"], recs[0]["dtype"]) == (0, 1, "float64"), recs[0]
+        ran = [r for r in recs[1:] if r["op"] in RING_OPS]
         assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"} <= {r["op"] for r in ran}
         assert {(r["op"], r["algorithm"]) for r in ran if r["algorithm"] != "ring"} == set()
         assert all(r["state"] == "completed" for r in recs)
