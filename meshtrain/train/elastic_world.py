@@ -197,14 +197,38 @@ def kill_frozen_siblings(lost: Sequence[int], rank: int, hosts: Sequence[str]) -
     """SIGKILL the ranks of ``lost`` (found without a heartbeat) that run on this rank's host: they
     are frozen (their process exists but its heartbeat thread stopped), and the agent would
     otherwise wait 30 s after its SIGTERM before killing them. Returns the ranks killed."""
-    here = [r for r in lost if r != rank and r < len(hosts) and hosts[r] == hosts[rank]]
+    # Every sibling is looked at, not only those this rank's own monitor saw go quiet: under load
+    # the first error here can be another rank's report, and a stopped process (state T) is frozen
+    # whoever noticed it.
+    here = [r for r in range(len(hosts)) if r != rank and hosts[r] == hosts[rank]]
     killed = []
     for r, pid in sibling_pids(here).items():
         if not _running(pid):  # gone already (a zombie until its agent reaps it): nothing to do
             continue
+        if r not in lost and not _stopped(pid):
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
             killed.append(r)
+    return killed
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP): its state is T."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def report_frozen(lost: Sequence[int], rank: int, hosts: Sequence[str]) -> list[int]:
+    """``kill_frozen_siblings`` and the line that names the ranks killed (stderr)."""
+    killed = kill_frozen_siblings(lost, rank, hosts)
+    if killed:
+        print(f"meshtrain: [rank {rank}] killed rank(s) {killed} of this host: no heartbeat, but their "
+              f"process was still there (frozen); torchrun's agent would wait 30 s to kill them",
+              file=sys.stderr, flush=True)
     return killed
 
 
@@ -227,14 +251,10 @@ def on_peer_lost(run_dir: str | None, rank: int, world: int, monitor: Any, hosts
         if elastic and run_dir:  # first: the mark's time is the detection's, before any kill below
             write_stop(run_dir, rank, world, str(err))
         lost = [r for r in getattr(err, "missing", []) if str(monitor.failures.get(r, "")).endswith("was lost")]
-        killed = kill_frozen_siblings(lost, rank, hosts) if lost else []
-        if killed:
-            print(f"meshtrain: [rank {rank}] killed rank(s) {killed} of this host: no heartbeat, but their "
-                  f"process was still there (frozen); torchrun's agent would wait 30 s to kill them",
-                  file=sys.stderr, flush=True)
+        report_frozen(lost, rank, hosts)
 
     return listener
 
 
 __all__ = ["STOPS_DIR", "begin", "note_step", "process_start", "write_stop", "read_stops", "clear_stops",
-           "change_seconds", "stopped_by", "sibling_pids", "kill_frozen_siblings", "on_peer_lost"]
+           "change_seconds", "stopped_by", "sibling_pids", "kill_frozen_siblings", "report_frozen", "on_peer_lost"]

@@ -82,6 +82,8 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
         exit_within(EXIT_GRACE_S, 2 if isinstance(exc, MeshtrainError) else 1)
+        if me.liveness is not None:  # a frozen sibling would hold its agent's restart 30 s
+            elastic_world.report_frozen([], comm.get_rank(), me.hosts)
         if config.elastic.enabled and config.out:  # the next world times the change from it
             elastic_world.write_stop(config.out, comm.get_rank(), comm.get_world_size(), f"{type(exc).__name__}: {exc}")
         raise
