@@ -44,6 +44,8 @@ import uuid
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .procfs import alive as _alive, children as _children, environ as _environ
+
 # $1 hostname, $2 tmpfs size, $3 file for the /dev/shm listing, then the host's command line.
 _WRAPPER = """
 echo "$1" > /proc/sys/kernel/hostname || exit 125
@@ -84,40 +86,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _environ(pid: int) -> list[bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:  # gone
-        return []
-
-
-def _alive(pid: int) -> bool:
-    """True until ``pid`` has finished dying (a zombie is dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _ns(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/mnt")
     except OSError:  # gone, or a zombie
         return None
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (every thread's: a child belongs to the thread that forked it)."""
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return sorted(set(out))
 
 
 def _socket_inodes(pid: int) -> set[str]:

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from .. import procfs
+
 STOPS_DIR = "elastic"
 """The directory of the run directory that holds the stop marks between two worlds."""
 
@@ -158,22 +160,8 @@ def stopped_by(stops: Sequence[Mapping[str, Any]]) -> str | None:
 # -- a rank found frozen --------------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    return sorted(set(out))
-
-
 def _env(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            items = f.read().split(b"\0")
-    except OSError:
-        return {}
-    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+    return dict(i.decode(errors="replace").split("=", 1) for i in procfs.environ(pid) if b"=" in i)
 
 
 def sibling_pids(ranks: Sequence[int]) -> dict[int, int]:
@@ -185,7 +173,7 @@ def sibling_pids(ranks: Sequence[int]) -> dict[int, int]:
     if mine["TORCHELASTIC_RUN_ID"] is None:
         return {}
     out = {}
-    for pid in _children(os.getppid()):
+    for pid in procfs.children(os.getppid()):
         env = _env(pid)
         if pid != os.getpid() and all(env.get(k) == v for k, v in mine.items()) and env.get("RANK", "").isdigit():
             if int(env["RANK"]) in ranks:
@@ -203,23 +191,14 @@ def kill_frozen_siblings(lost: Sequence[int], rank: int, hosts: Sequence[str]) -
     here = [r for r in range(len(hosts)) if r != rank and hosts[r] == hosts[rank]]
     killed = []
     for r, pid in sibling_pids(here).items():
-        if not _running(pid):  # gone already (a zombie until its agent reaps it): nothing to do
+        if not procfs.alive(pid):  # gone already (a zombie until its agent reaps it): nothing to do
             continue
-        if r not in lost and not _stopped(pid):
+        if r not in lost and procfs.state(pid) != "T":  # T: stopped by a signal
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
             killed.append(r)
     return killed
-
-
-def _stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP): its state is T."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
 
 
 def report_frozen(lost: Sequence[int], rank: int, hosts: Sequence[str]) -> list[int]:
@@ -230,15 +209,6 @@ def report_frozen(lost: Sequence[int], rank: int, hosts: Sequence[str]) -> list[
               f"process was still there (frozen); torchrun's agent would wait 30 s to kill them",
               file=sys.stderr, flush=True)
     return killed
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def on_peer_lost(run_dir: str | None, rank: int, world: int, monitor: Any, hosts: Sequence[str],
