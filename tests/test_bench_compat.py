@@ -119,6 +119,7 @@ def test_layout_trains_the_plain_pytorch_model(layout, reference):
     (["--layouts", "dp4", "--world", "0"], "--world must be >= 1"),
     (["--layouts", "dp4", "--hosts", "3"], "--hosts must be >= 1 and divide --world 4, got 3"),
     (["--layouts", "dp4", "--hosts", "0"], "--hosts must be >= 1 and divide --world 4, got 0"),
+    (["--layouts", "dp4", "--hosts", "2", "--floor"], "--floor runs on one host only"),
 ])
 def test_bad_layouts_exit_2(argv, fragment, capsys):
     assert main(["bench", "compat", *argv]) == 2
@@ -128,19 +129,25 @@ def test_bad_layouts_exit_2(argv, fragment, capsys):
 
 def test_layouts_run_torch_and_meshtrain_processes(tmp_path, capsys, monkeypatch):
     """End to end on real processes: torch.distributed (gloo) and meshtrain.comm train the same
-    pp2 x cp2 Llama, bitwise (every sum has 2 members), and the table and JSON say so."""
+    pp2 x cp2 Llama, bitwise (every sum has 2 members), and the table and JSON say so; --floor runs
+    the loop a third time with communication that costs nothing (and whose losses are not compared)."""
     from meshtrain.bench import compat
 
     monkeypatch.setattr(compat, "LLAMA_CONFIG", _tiny())
     out = tmp_path / "llama.json"
     assert main(["bench", "compat", "--layouts", "pp2xcp2", "--steps", "2", "--warmup", "1", "--trials", "1",
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--floor"]) == 0
     got = json.loads(out.read_text())["layouts"]["pp2xcp2"]
     assert got["bitwise_equal"] is True and got["ok"] is True and got["max_reduction"] == 2
     assert got["ratio"] == pytest.approx(got["step_s"]["meshtrain"] / got["step_s"]["torch-gloo"])
     assert len(got["losses"]["meshtrain"][0]) == 3
     assert all(got["comm_s"][m] > 0 for m in ("torch-gloo", "meshtrain"))  # p2p waits and all-reduces timed
-    assert "pp2xcp2" in capsys.readouterr().out
+    # the floor waits for nobody: its time inside communication calls is a small part of theirs
+    assert got["comm_s"]["floor"] < 0.2 * min(got["comm_s"][m] for m in ("torch-gloo", "meshtrain"))
+    assert got["floor_ratio"] == pytest.approx(got["step_s"]["floor"] / got["step_s"]["torch-gloo"])
+    assert set(got["losses"]) == {"torch-gloo", "meshtrain"}
+    text = capsys.readouterr().out
+    assert "pp2xcp2" in text and "floor (communication free)" in text
 
 
 def test_comm_clock_times_calls_and_waits_and_keeps_the_module_names():

@@ -36,6 +36,7 @@ MODES = {"torch-gloo": ("torch.distributed", "torch"), "meshtrain-torch": ("mesh
          "meshtrain-shm": ("meshtrain.comm", "shm")}
 PEER = "torch-gloo"
 LLAMA_MODES = ("torch-gloo", "meshtrain")  # --layouts: torch.distributed itself, and meshtrain.comm
+FLOOR = "floor"  # --floor: the same loop with communication that costs nothing (null_dist.py)
 LLAMA_CONFIG = compat_llama.LlamaConfig()  # the model of --layouts (tests shrink it)
 LOSS_RTOL = 1e-5  # the largest relative loss difference allowed between modes where sums have > 2 members
 
@@ -127,6 +128,10 @@ def _llama_worker(rank: int, mode: str, sizes: dict[str, int], cfg: Any, steps: 
         import meshtrain.comm as dist
 
         dist.init_process_group("gloo")  # torch.distributed is up (as torchrun + init leave it)
+    elif mode == FLOOR:
+        from .null_dist import NullDist
+
+        dist = NullDist()
     else:
         import torch.distributed as dist
     clock = CommClock(dist)
@@ -159,22 +164,25 @@ def _run_on_hosts(hosts: int, mode: str, sizes: dict[str, int], cfg: Any, steps:
 
 
 def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup: int, trials: int,
-                hosts: int = 1) -> dict[str, Any]:
+                hosts: int = 1, floor: bool = False) -> dict[str, Any]:
     """Per layout (name: sizes), trials alternate between the modes (their order flips every
     trial); per mode the median over trials of the slowest rank's median step, and every trial's
     loss sequence compared with torch-gloo's first one (``ok``: see ``losses_agree``). ``hosts`` > 1:
-    every run spans that many simulated hosts (consecutive ranks share one)."""
+    every run spans that many simulated hosts (consecutive ranks share one). ``floor`` (one host):
+    a third mode, ``FLOOR``, whose communication costs nothing; its step over torch-gloo's is the
+    least ratio any communication library could reach (``floor_ratio``); its losses are not compared."""
     from ..comm.launch import spawn
 
     out: dict[str, Any] = {}
     for name, sizes in layouts.items():
         world = compat_llama.world_size(sizes)
-        per: dict[str, list[float]] = {m: [] for m in LLAMA_MODES}
-        losses: dict[str, list[list[float]]] = {m: [] for m in LLAMA_MODES}
-        comm: dict[str, list[float]] = {m: [] for m in LLAMA_MODES}  # s/step inside communication calls
-        rank_comm: dict[str, list[list[float]]] = {m: [] for m in LLAMA_MODES}  # per rank (one host)
+        modes = LLAMA_MODES + ((FLOOR,) if floor and hosts == 1 else ())
+        per: dict[str, list[float]] = {m: [] for m in modes}
+        losses: dict[str, list[list[float]]] = {m: [] for m in modes}
+        comm: dict[str, list[float]] = {m: [] for m in modes}  # s/step inside communication calls
+        rank_comm: dict[str, list[list[float]]] = {m: [] for m in modes}  # per rank (one host)
         for t in range(trials):
-            for mode in (LLAMA_MODES if t % 2 == 0 else LLAMA_MODES[::-1]):
+            for mode in (modes if t % 2 == 0 else modes[::-1]):
                 # transport=None: only torch.distributed is initialised, so the torch-gloo run is
                 # pure torch and the meshtrain run builds its communicator itself
                 if hosts > 1:
@@ -196,8 +204,10 @@ def run_layouts(layouts: dict[str, dict[str, int]], cfg: Any, steps: int, warmup
             "sizes": sizes, "step_s": med, "trials_step_s": per, "ratio": med["meshtrain"] / med[PEER],
             "comm_s": {m: statistics.median(v) for m, v in comm.items()}, "trials_comm_s": comm,
             "trials_rank_comm_s": rank_comm,
-            "losses": losses, "bitwise_equal": rel == 0.0, "max_rel_diff": rel, "max_reduction": widest,
-            "ok": losses_agree(rel, widest)}
+            "losses": {m: losses[m] for m in LLAMA_MODES}, "bitwise_equal": rel == 0.0, "max_rel_diff": rel,
+            "max_reduction": widest, "ok": losses_agree(rel, widest)}
+        if FLOOR in med:
+            out[name]["floor_ratio"] = med[FLOOR] / med[PEER]
     return out
 
 
@@ -213,6 +223,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      f"({compat_llama.LAYOUT_HELP}), e.g. dp4,pp2xdp2,tp2xdp2,cp2xdp2; "
                                      "--width and --batch do not apply")
     p.add_argument("--world", type=int, default=WORLD, help="processes of each --layouts run (default 4)")
+    p.add_argument("--floor", action="store_true", help="--layouts on one host: also run the loop with "
+                                                        "communication that costs nothing, the least step time "
+                                                        "any library could reach here (its losses are meaningless)")
     p.add_argument("--hosts", type=int, default=1, help="--layouts runs span this many simulated hosts (own "
                                                         "hostname and /dev/shm, one torchrun each; default 1)")
 
@@ -262,6 +275,8 @@ def _main_layouts(args: argparse.Namespace) -> int:
         problem = f"--world must be >= 1, got {args.world}"
     elif args.hosts < 1 or args.world % args.hosts:
         problem = f"--hosts must be >= 1 and divide --world {args.world}, got {args.hosts}"
+    elif args.floor and args.hosts > 1:
+        problem = "--floor runs on one host only (a floor across hosts would ignore the network); drop --hosts"
     elif args.hosts > 1:
         from ..simhosts import namespaces_unavailable
 
@@ -284,7 +299,7 @@ def _main_layouts(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"meshtrain bench compat: error: --layouts: {exc}", file=sys.stderr)
         return 2
-    res = run_layouts(layouts, cfg, args.steps, args.warmup, args.trials, args.hosts)
+    res = run_layouts(layouts, cfg, args.steps, args.warmup, args.trials, args.hosts, args.floor)
     print(f"# Llama dim {cfg.dim}, {cfg.layers} layers, {cfg.heads} heads, ffn {cfg.ffn}, vocab {cfg.vocab}, "
           f"seq {cfg.seq}, fp32; global batch {cfg.global_batch} in {cfg.micro_batches} micro-batches per "
           f"replica; {args.world} processes on {args.hosts} host(s), {args.steps} timed steps (+{args.warmup}), median of {args.trials} trials")
@@ -297,6 +312,10 @@ def _main_layouts(args: argparse.Namespace) -> int:
         comm = f"{r['comm_s'][PEER] * 1e3:.1f} | {r['comm_s']['meshtrain'] * 1e3:.1f}"
         print(f"  {name:14s} {r['step_s'][PEER] * 1e3:11.1f}  {r['step_s']['meshtrain'] * 1e3:12.1f}  "
               f"{r['ratio']:15.2f}  {comm:33s}  {same:37s}  {trials}")
+        if "floor_ratio" in r:
+            print(f"  {'':14s} floor (communication free) {r['step_s'][FLOOR] * 1e3:.1f} ms = "
+                  f"{r['floor_ratio']:.2f} x torch-gloo; trials ms "
+                  + " ".join(f"{t * 1e3:.1f}" for t in r["trials_step_s"][FLOOR]))
     print(f"# losses must be bitwise equal where every sum has <= 2 members (tp, dp x cp <= 2), and within "
           f"{LOSS_RTOL:g} relative elsewhere (gloo adds > 2 members in its own order); comm ms/step: the mean "
           f"rank's time inside collectives and p2p waits per timed step (waits for slower peers included)")
