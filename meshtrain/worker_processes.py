@@ -6,8 +6,8 @@ multiprocessing's ``spawn`` starts each process as a new interpreter, which impo
 context instead forks each process from a server that preloaded torch (``PRELOAD``): four ranks
 start in about 30 ms once the server is up. Torch is made to be forked after its import (its
 DataLoader's workers are), and the server runs nothing but that import before it forks. It
-imports torch's compiler front end (torch._dynamo) too: meshtrain's model code marks functions
-with ``torch.compiler.disable``, which imports it, another 1.2 s of CPU in every process.
+imports torch's compiler front end (torch._dynamo) too, another 1.2 s of CPU that a forked rank
+which compiles (``train.compile``) then does not pay.
 
 A forked process inherits the *server's* environment, not the caller's as under spawn. ``start``
 therefore carries the caller's ``os.environ`` along and installs it before the target is even

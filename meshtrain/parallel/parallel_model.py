@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from .not_compiled import not_compiled
 from ..errors import ConfigError
 from ..mesh import Mesh
 from ..config.parallel import check_expert_parallel
@@ -129,7 +130,7 @@ class ParallelModel:
         mesh = self.mesh
         summed = mesh.group("dp_cp_tp")
 
-        @torch.compiler.disable
+        @not_compiled
         def reduce(t: torch.Tensor) -> torch.Tensor:
             comm.all_reduce(t, op="sum", group=summed)
             return t
