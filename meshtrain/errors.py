@@ -27,3 +27,15 @@ class CheckpointError(MeshtrainError):
 
 class DataError(MeshtrainError):
     """Training data is missing, empty, or unreadable."""
+
+
+BAD_INPUT = frozenset({"ConfigError", "DataError", "CheckpointError", "ScheduleError", "TrainingDiverged"})
+"""The errors (by class name, as a failed worker's message names them) that mean bad input: the
+run exits 2 for them, and 1 for anything else (a lost peer, a crash), whichever launcher ran it."""
+
+
+def exit_code(error: BaseException | str) -> int:
+    """2 if ``error`` (an exception, or a class name) means bad input (``BAD_INPUT``), else 1."""
+    if isinstance(error, str):
+        return 2 if error in BAD_INPUT else 1
+    return 2 if any(c.__name__ in BAD_INPUT for c in type(error).__mro__) else 1

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-# errors that mean bad input (exit 2) when a worker raises them; anything else exits 1
-_BAD_INPUT = {"ConfigError", "DataError", "CheckpointError", "ScheduleError", "TrainingDiverged"}
+from ..errors import exit_code
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +58,7 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
         msg = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         print(f"meshtrain train: error: worker rank {rank} failed (exit code {failure.exitcode}): {msg}",
               file=sys.stderr)
-        return 2 if msg.split(":", 1)[0] in _BAD_INPUT else 1
+        return exit_code(msg.split(":", 1)[0])
     if summary.get("preempted"):  # SIGTERM with elastic.enabled: a clean stop at a step boundary
         print(f"meshtrain train: {preempted_message(summary)}", file=sys.stderr)
         return EXIT_PREEMPTED

@@ -24,7 +24,7 @@ import torch
 from .. import comm, worker_processes
 from ..comm.launch import share_cores
 from ..comm.transport import registry
-from ..errors import CollectiveError, ConfigError, MeshtrainError
+from ..errors import CollectiveError, ConfigError, MeshtrainError, exit_code
 from . import elastic, elastic_world
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
@@ -81,7 +81,7 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
             return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
-        exit_within(EXIT_GRACE_S, 2 if isinstance(exc, MeshtrainError) else 1)
+        exit_within(EXIT_GRACE_S, exit_code(exc))
         if me.liveness is not None:  # a frozen sibling would hold its agent's restart 30 s
             elastic_world.report_frozen([], comm.get_rank(), me.hosts)
         if config.elastic.enabled and config.out:  # the next world times the change from it
@@ -243,10 +243,10 @@ def main_torchrun(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = worker(to_dict(config))
-    except MeshtrainError as exc:  # bad input: one line naming it and the fix, exit 2 (as meshtrain train)
+    except MeshtrainError as exc:  # one line naming it (and the fix); 2 for bad input, 1 else (as meshtrain train)
         print(f"meshtrain.train: error: [rank {os.environ.get('RANK', '?')}] {type(exc).__name__}: {exc}",
               file=sys.stderr)
-        return 2
+        return exit_code(exc)
     if summary.get("preempted"):  # saved at a step boundary on SIGTERM: non-zero, so torchrun restarts
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"meshtrain.train: {elastic.preempted_message(summary)}", file=sys.stderr)
