@@ -60,6 +60,11 @@ class Cluster:
     fused_attention_speedup: float = 1.0
     """How much faster cuDNN's fused attention (Transformer Engine, Megatron: ``attn=cudnn``) runs than
     FlashAttention-2 on this GPU (1.0: no measurement, taken as equal)."""
+    fa1_attention_efficiency: float = 0.0
+    """Fraction of ``peak_flops`` a FlashAttention-1-class kernel (``attn=triton``: llm-foundry's Triton
+    FlashAttention, MosaicML's runs) reaches on long causal sequences, forward and backward alike, shorter
+    ones slower by the same length curve; 0: no measurement, priced at half FlashAttention-2's
+    (``FA2_OVER_FA1``)."""
     hbm_efficiency: float = 0.7
     """Fraction of hbm_bandwidth that element-wise kernels reach."""
     fp8_speedup: float = 1.0
@@ -153,6 +158,16 @@ ATTN_FA2_BWD = 322e12 / 989e12
 """Its backward: 322 TFLOP/s (the same paper's backward figure, 16K tokens)."""
 CUDNN_OVER_FA2 = 1.6
 """cuDNN's fused attention over FlashAttention-2 on the same H100: 539/335 forward, 516/322 backward."""
+FA1_A100 = 0.40
+"""FlashAttention(-1) on an A100, long sequences: the FlashAttention-2 paper (Dao, arXiv 2307.08691,
+abstract) puts FlashAttention at "only 25-40% of the theoretical maximum FLOPs/s" of the A100 and
+FlashAttention-2 at 50-73 %; the top of the range is the long-sequence end (the length curve gives the
+short end: 0.40 x 191/335 = 0.23 at 512 tokens). llm-foundry's Triton FlashAttention is the same
+algorithm: "Overall Triton forward + backward is slightly slower than CUDA forward + backward"
+(``llmfoundry/models/layers/flash_attn_triton.py``, copied from HazyResearch/flash-attention)."""
+FA2_OVER_FA1 = 2.0
+"""FlashAttention-2 "is around 2x faster than FlashAttention" (the same paper, section 4.1): the ratio
+a GPU without a FlashAttention-1 measurement prices ``attn=triton`` at."""
 H100_MATMUL = 0.70
 """Large bf16 matmuls on a 700 W H100 SXM5, as a fraction of peak (set once, before any prediction)."""
 GT500_MATMUL = 0.55
@@ -191,7 +206,8 @@ PRESETS: dict[str, Cluster] = {
     # (410 GB/s), 2 TB.
     "a100": _gpu("a100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
                  hbm_bandwidth=2.0e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
-                 matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5, fp8_speedup=1.0,
+                 matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5,
+                 fa1_attention_efficiency=FA1_A100, fp8_speedup=1.0,
                  pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9), host_memory_bytes=2e12,
                  notes="A100 SXM4 80GB, NVLink 3 + 200G InfiniBand per GPU"),
     # A100 SXM4 40 GB: the 80 GB part's compute and links with 40 GiB of HBM2 at 1.555 TB/s (the 40 GB
@@ -200,6 +216,7 @@ PRESETS: dict[str, Cluster] = {
     "a100-40gb": _gpu("a100-40gb", gpus_per_node=8, memory_bytes=40 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
                       hbm_bandwidth=1.555e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
                       matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5,
+                      fa1_attention_efficiency=FA1_A100,
                       fp8_speedup=1.0, pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9),
                       host_memory_bytes=1e12, notes="A100 SXM4 40GB, NVLink 3 + 200G per GPU"),
     # The hosts of torchtitan's published runs (Meta's Grand Teton): H100 with 96 GB of HBM2e at
@@ -269,6 +286,7 @@ RULES: dict[str, _Rule] = {
     "attention_efficiency": _Rule(float, **_SHARE, example="0.34"),
     "attention_bwd_efficiency": _Rule(float, **_SHARE, example="0.33"),
     "fused_attention_speedup": _Rule(float, least=1, example="1.6 (1.0: no measurement)"),
+    "fa1_attention_efficiency": _Rule(float, least=0, most=1, example="0.4 (0: half of FlashAttention-2's)"),
     "hbm_efficiency": _Rule(float, **_SHARE, example="0.7"),
     "fp8_speedup": _Rule(float, least=1, example="1.6 (1.0: no fp8)"),
     "gemm_k0": _Rule(float, least=0, example="720 (0: not modelled)"),

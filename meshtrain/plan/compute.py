@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from ..train.metrics import flops_per_token
 from .architectures import Arch
-from .clusters import Cluster
+from .clusters import FA2_OVER_FA1, Cluster
 from .layout import Layout
 from .profile import block_seconds, head_seconds, profileable, threads_per_rank
 from .profile_parallel import measures_collectives, parallel_block_seconds
@@ -76,15 +76,19 @@ ATTN_CURVES = {("sdpa", "fwd"): (191, 260, 298, 319, 333, 335), ("sdpa", "bwd"):
 def attention_rate(cluster: Cluster, layout: Layout, length: float, backward: bool = False) -> float:
     """FLOP/s the attention kernel reaches on causal calls of ``length`` query tokens (for ring attention
     a step's block, S/cp): the cluster's long-sequence efficiency (forward or backward) times the
-    kernel's length curve, times ``fused_attention_speedup`` for cuDNN's kernel (``attn=cudnn``). A
-    host (profiled or its roofline) takes its efficiency flat."""
+    kernel's length curve, times ``fused_attention_speedup`` for cuDNN's kernel (``attn=cudnn``);
+    ``fa1_attention_efficiency`` for a FlashAttention-1-class kernel (``attn=triton``, on
+    FlashAttention-2's curve). A host (profiled or its roofline) takes its efficiency flat."""
     peak = cluster.per_rank_peak(layout.world, layout.precision)
     eff = cluster.attention_bwd_efficiency if backward else cluster.attention_efficiency
     if layout.attn_kernel == "cudnn":
         eff *= cluster.fused_attention_speedup
+    elif layout.attn_kernel == "triton":  # FlashAttention-1 class: its own level, FA2's length curve
+        eff = cluster.fa1_attention_efficiency or eff / FA2_OVER_FA1
     if cluster.memory_shared:
         return peak * eff
-    curve = ATTN_CURVES[(layout.attn_kernel, "bwd" if backward else "fwd")]
+    kernel = "cudnn" if layout.attn_kernel == "cudnn" else "sdpa"
+    curve = ATTN_CURVES[(kernel, "bwd" if backward else "fwd")]
     x = math.log2(min(max(length, ATTN_LENGTHS[0]), ATTN_LENGTHS[-1]))
     i = min(int(x) - 9, len(ATTN_LENGTHS) - 2)  # 2^9 = 512
     rate = curve[i] + (curve[i + 1] - curve[i]) * (x - 9 - i)
@@ -121,20 +125,40 @@ def elementwise_bytes(op: str, a: int, eager: bool) -> float:
     return counts[op][0 if eager else 1]
 
 
+def attention_kv_width(arch: Arch, layout: Layout) -> float:
+    """Elements per token of one of K, V as this rank's attention call gets it: its kv heads (at least
+    one per tp rank), or every query head's under ``kvrep=1`` (the peer repeats them first)."""
+    if layout.kv_repeat:
+        return arch.n_heads * arch.kv_dim / arch.n_kv_heads / layout.tp
+    return arch.kv_dim / min(layout.tp, arch.n_kv_heads)
+
+
 def ring_merge_bytes(arch: Arch, layout: Layout) -> tuple[float, float]:
-    """(forward, backward) bytes per token of a block that ring attention's merging of partial results
-    moves on top of the attention kernel, for its cp - 1 steps after the first (PyTorch's
-    ``_SDPAMerger``, in fp32 and eager even under compile): forward per output element, the block's
-    output up-cast (a + 4) and ``out - sigmoid(lse_b - lse) * (out - out_b)`` (three fp32 passes, 32
-    bytes); backward, per element of dq, dk and dv, the step's gradient up-cast and added into its
-    fp32 accumulator (a + 4 + 12)."""
+    """(forward, backward) bytes per token of a block that ring attention's bookkeeping moves on top of
+    the attention kernel, counted from PyTorch's ``_templated_ring_attention`` and its backward (torch
+    ``distributed/tensor/experimental/_attention.py``; eager, in fp32, even under compile). Per element
+    of the output (= query) width q and of K and V together (2 x ``attention_kv_width``), activation
+    bytes a, u = a + 4 for an up- or down-cast (0 in fp32):
+
+    * forward: the first block's output up-cast (u); each of the cp - 1 steps after it merges
+      (``_SDPAMerger``): up-cast (u) and ``out - sigmoid(lse_b - lse) * (out - out_b)``, three fp32
+      passes (32); the steps that take half the queries (half of them on average) do that on their
+      half and then re-concatenate the whole output (r4 w4): 0.75 u + 28 a step on average; each step
+      but the last concatenates K and V for the rotation (r a w a); the result is cast back once (u);
+    * backward: fp32 accumulators for dq, dk, dv zeroed (4) and cast back at the end (u); each of the
+      cp steps adds the kernel's gradients into them (r4 ra w4), the half-size steps through
+      ``_partial_update`` (half the add, then a whole r4 w4 copy): 8 + a + (8 - a)/4 on average;
+      each step concatenates dK and dV for the pass (r4 w4) and, but the last, K and V (r a w a)."""
     if layout.cp == 1:
         return 0.0, 0.0
     a = ACT_BYTES[layout.precision]
-    up = a + 4 if a < 4 else 0
-    steps = layout.cp - 1
-    q, kv = arch.o_dim / layout.tp, arch.kv_dim / min(layout.tp, arch.n_kv_heads)
-    return steps * q * (up + 32), steps * (q + 2 * kv) * (up + 12)
+    u = a + 4 if a < 4 else 0
+    cp, steps = layout.cp, layout.cp - 1
+    q, kv = arch.o_dim / layout.tp, 2 * attention_kv_width(arch, layout)
+    fwd = steps * (q * (0.75 * u + 28) + kv * 2 * a) + q * 2 * u
+    add = 8 + a + (8 - a) / 4
+    bwd = (q + kv) * (4 + u) + cp * (q + kv) * add + cp * kv * 8 + steps * kv * 2 * a
+    return fwd, bwd
 
 
 @lru_cache(maxsize=8192)
@@ -148,6 +172,8 @@ def elementwise_per_token(arch: Arch, layout: Layout, cluster: Cluster, moe: boo
     total = 2 * stream * (elementwise_bytes(arch.norm, a, eager) + elementwise_bytes("residual", a, eager))
     if arch.rotary:
         total += (arch.q_dim + arch.kv_dim) / layout.tp * elementwise_bytes("rotary", a, eager)
+    if layout.kv_repeat:  # K and V copied to every query head (r a, w a; compile cannot skip it: SDPA reads them)
+        total += 2 * (attention_kv_width(arch, layout) + arch.kv_dim / min(layout.tp, arch.n_kv_heads)) * a
     if moe:
         from .moe import moe_elementwise, routed_rows  # moe builds on this module
 

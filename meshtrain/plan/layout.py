@@ -19,9 +19,10 @@ AC_MODES = ("none", "selective", "op", "full")
 """none; selective: meshtrain's (every 2nd block fully checkpointed); op: torchtitan's selective op
 (matmul and attention outputs kept, element-wise ops recomputed); full: every block recomputed."""
 PRECISIONS = ("fp32", "bf16", "fp8")
-ATTN_KERNELS = ("sdpa", "cudnn")
+ATTN_KERNELS = ("sdpa", "cudnn", "triton")
 """sdpa: torch's scaled_dot_product_attention (FlashAttention-2 inside); cudnn: cuDNN fused attention
-(Transformer Engine, Megatron)."""
+(Transformer Engine, Megatron); triton: a FlashAttention-1-class kernel (llm-foundry's Triton
+FlashAttention, ``attn_impl: triton``, which MosaicML's benchmarks ran)."""
 RANK_ORDERS = ("meshtrain", "megatron")
 """meshtrain: ranks laid out (dp, pp, cp, tp), tp innermost (``meshtrain.mesh``); megatron: pipeline
 outermost (Megatron-LM's tp-cp-ep-dp-pp), for pricing its published runs."""
@@ -82,8 +83,14 @@ class Layout:
     the first step's attention only. For pricing a peer's run."""
     attn_kernel: str = "sdpa"
     """The attention kernel: "sdpa" (torch's scaled_dot_product_attention, whose flash backend is
-    FlashAttention-2: meshtrain, torchtitan, MosaicML) or "cudnn" (cuDNN's fused attention, which
-    Transformer Engine and so Megatron run: ``fused_attention_speedup`` faster on Hopper)."""
+    FlashAttention-2: meshtrain, torchtitan), "cudnn" (cuDNN's fused attention, which Transformer Engine
+    and so Megatron run: ``fused_attention_speedup`` faster on Hopper) or "triton" (llm-foundry's
+    Triton FlashAttention, the FlashAttention-1 algorithm: ``fa1_attention_efficiency``)."""
+    kv_repeat: bool = False
+    """Grouped-query K and V repeated to every query head before the attention call (torchtitan's Llama at
+    9dec370: ``repeat_kv`` before ``F.scaled_dot_product_attention``), so ring attention moves and merges
+    full-width K/V, and the repeat copies them once a block. meshtrain passes the kv heads (its ring
+    sends them as they are). For pricing a peer's run."""
     fsdp_pp: bool = False
     """PyTorch FSDP2 under a pipeline (torch.distributed.pipelining, torchtitan): the stage's unsharded
     weights and its unsharded fp32 gradients are kept across micro-batches and reduce-scattered once at
@@ -155,6 +162,8 @@ class Layout:
             parts.append("cpag=1")
         if self.attn_kernel != "sdpa":
             parts.append(f"attn={self.attn_kernel}")
+        if self.kv_repeat:
+            parts.append("kvrep=1")
         if self.fsdp_pp and self.zero_stage == 3 and self.pp > 1:
             parts.append("fsdp=1")
         parts += [f"zero={self.zero_stage}"] + ([f"offload={self.offload}"] if self.offload != "none" else [])
@@ -168,8 +177,10 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "overlap_param_gather": "overlap_param_gather", "ep": "ep", "epo": "ep_overlap", "ep_overlap": "ep_overlap",
          "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven",
          "atp": "async_tp", "async_tp": "async_tp", "cpag": "cp_allgather", "cp_allgather": "cp_allgather",
-         "attn": "attn_kernel", "attn_kernel": "attn_kernel", "fsdp": "fsdp_pp", "fsdp_pp": "fsdp_pp"}
-_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "cp_allgather", "fsdp_pp")
+         "attn": "attn_kernel", "attn_kernel": "attn_kernel", "fsdp": "fsdp_pp", "fsdp_pp": "fsdp_pp",
+         "kvrep": "kv_repeat", "kv_repeat": "kv_repeat"}
+_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "cp_allgather", "fsdp_pp",
+          "kv_repeat")
 """Layout fields written 1 or 0 (true/false, on/off)."""
 
 MAX_GPUS = 1 << 20

@@ -30,9 +30,8 @@ from .layout import Layout
 from .moe import block_param_split, moe_activations, stage_layer_mix, stage_param_split
 
 MASTER, GRAD, ADAM = 4, 4, 8
-BUCKET_CAP = 25 * 2**20
-"""meshtrain DataParallel's default bucket (``parallel.bucket_cap_mb``). Buckets cost no memory of
-their own: the ``.grad`` tensors are views into them."""
+# Gradient buckets cost no memory of their own: DataParallel's ``.grad`` tensors are views into them,
+# and ZeRO-1/2's units are the parameters' own flat buffers (their sizes: ``buckets.py``).
 
 
 @dataclass(frozen=True)

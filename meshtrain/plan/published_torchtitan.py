@@ -23,11 +23,15 @@ PP = ("micro-batches = stages (torchtitan's default then: m=8 1F1B, 16 interleav
 FP8 = "Float8 = torchao tensorwise dynamic scaling (the default recipe then)"
 
 
+KVREP = ("K/V repeated to every query head before SDPA (kvrep=1: repeat_kv in torchtitan/models/llama/model.py at "
+         "9dec370, llama3/model.py at e7c0cae)")
+
+
 def _run(name: str, model: str, gpus: int, layout: str, batch: int, seq: int, value: float, source: str,
          memory: float | None = None, role: str = "check", cluster: str = "h100-gt500", assumed: str = "",
          compile: bool = True) -> PublishedRun:
-    return PublishedRun(name, model, cluster, gpus, layout, batch, seq, "tokens_per_s_per_gpu", value, source,
-                        role=role, compile=compile, memory_gib=memory, assumed=assumed)
+    return PublishedRun(name, model, cluster, gpus, layout + ",kvrep=1", batch, seq, "tokens_per_s_per_gpu", value,
+                        source, role=role, compile=compile, memory_gib=memory, assumed=f"{assumed}; {KVREP}")
 
 
 RUNS: tuple[PublishedRun, ...] = (

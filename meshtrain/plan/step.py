@@ -8,7 +8,8 @@ steps hidden behind that step's attention when shorter), the pipeline send to th
 for a mixture of experts, the ep all-to-alls of its MoE layers (``moe.py``).
 Those per-action times go through the schedule simulator (``simulate``), whose makespan minus the
 busy time is the bubble. Data-parallel / ZeRO collectives of the stage's parameters hide behind the
-backward (ZeRO-3's gathers behind the forward too), except the last layer's share; the exposed rest
+backward (ZeRO-3's gathers behind the forward too), except the last bucket (the runtime's buckets,
+``buckets.py``; ZeRO-3: the last block's share); the exposed rest
 and the optimizer's memory-bound update are added after the pipeline; with ZeRO CPU offload the
 update runs on the host's CPUs and the exposed PCIe copies are added too (``offload.py``).
 """
@@ -24,11 +25,12 @@ from ..parallel.pipeline.schedule import bubble_fraction, simulate
 from .architectures import Arch
 from .clusters import Cluster
 from .collectives import collective, group_of, p2p
-from .compute import (ACT_BYTES, StageCompute, attention_backward_ratio, layer_forward_parts, matmul_chain,
-                      model_flops_per_token, stage_compute)
+from .compute import (ACT_BYTES, StageCompute, attention_backward_ratio, attention_kv_width, layer_forward_parts,
+                      matmul_chain, model_flops_per_token, stage_compute)
 from .layout import Layout, validate
-from .memory import (BUCKET_CAP, GRAD, MASTER, MemoryBreakdown, built_schedule, memory_per_rank, peer_gradient_bytes,
-                     sharded, stage_params)
+from .buckets import Buckets, bucket_plan, bucketed, registered_tensors, tail_seconds
+from .memory import (GRAD, MASTER, MemoryBreakdown, built_schedule, memory_per_rank, peer_gradient_bytes, sharded,
+                     stage_params)
 from .moe import ep_exposed, ep_times, stage_layer_mix, stage_param_split
 from .offload import offload_memory, offload_step
 from .profile import MAX_PROFILED_ELEMENTS, optimizer_seconds, stage_tensor_sizes, threads_per_rank
@@ -158,7 +160,7 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
 
     pcie = 0.0
     if layout.offload != "none":  # the update on the host's CPUs, pipelined with the PCIe copies per unit
-        optimizer, pcie = offload_step(cluster, layout, opt_params, sc.layers + 1, optimizer)
+        optimizer, pcie = offload_step(cluster, layout, opt_params, _units(arch, cluster, layout, sc), optimizer)
 
     sync = _step_collectives(arch, cluster, layout, sc) if cluster.profile_compute and layout.world > 1 else 0.0
     step = makespan + dp_exposed + optimizer + pcie + sync
@@ -242,76 +244,109 @@ def _context_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int,
     2cp-1-i) splits the rank's attention into cp equal steps; each step computes on the K/V block it
     holds while the next one travels (forward: K and V in the compute dtype; backward: K, V and the
     dK, dV accumulated in fp32 going round). A step's transfer is exposed only where it exceeds that
-    step's attention: exposed = (cp - 1) x max(0, transfer - attention / cp). With ``cpag=1`` (PyTorch's
+    step's attention: exposed = (cp - 1) x max(0, transfer - attention / cp). The accumulated dK, dV
+    make one hop more, back to their owner after the last step, with nothing left to hide it (PyTorch's
+    final ``dkv_rotater.next_buffer()``, meshtrain's last ``irecv``). With ``cpag=1`` (PyTorch's
     all-gather rotation) the K/V of every rank arrive in one all-gather hidden behind the first step
-    only; the backward's dK, dV still go round step by step. Ring members on different nodes move at
-    the inter-node speed (each GPU its own NIC)."""
+    only; the backward's dK, dV still go round step by step. K and V are as wide as the attention call
+    gets them (``attention_kv_width``: full width under ``kvrep=1``). Ring members on different nodes
+    move at the inter-node speed (each GPU its own NIC)."""
     act = ACT_BYTES[layout.precision]
     group = group_of(layout, cluster, ("cp",))
     same = group.nodes == 1
-    kv = tokens * 2 * arch.kv_dim / min(layout.tp, arch.n_kv_heads) * act  # this rank's K and V
+    kv = tokens * 2 * attention_kv_width(arch, layout) * act  # this rank's K and V
     grad_kv = kv / act * 4
     _, attn, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
     step_f = attn / layout.cp
     step_b = attention_backward_ratio(cluster, layout, seq) * attn / layout.cp
     steps = layout.cp - 1
-    back = steps * max(0.0, p2p(kv + grad_kv, same, cluster) - step_b)
+    home = p2p(grad_kv, same, cluster)  # the last hop of the dK, dV accumulators
     if layout.cp_allgather:
         ag, algos["cp"] = collective("all_gather", kv * layout.cp, group, cluster)
-        return max(0.0, ag - step_f), max(0.0, ag - step_b) + steps * max(0.0, p2p(grad_kv, same, cluster) - step_b)
+        return max(0.0, ag - step_f), max(0.0, ag - step_b) + steps * max(0.0, home - step_b) + home
     algos["cp"] = "ring p2p"
+    back = steps * max(0.0, p2p(kv + grad_kv, same, cluster) - step_b) + home
     return steps * max(0.0, p2p(kv, same, cluster) - step_f), back
+
+
+def _gradient_sets(arch: Arch, layout: Layout) -> list[tuple[float, tuple[str, ...], tuple[str, ...], int, str]]:
+    """The stage's gradient sets, each reduced with its own collectives: (parameters, all-reduce group,
+    ZeRO shard group, shard size, label). Dense parameters over dp x cp (ZeRO shards over dp_shard x
+    cp); a MoE model's routed experts over their expert-data-parallel group (dp x cp / ep) x tp."""
+    dense, experts = stage_param_split(arch, layout)
+    sets = [(dense, ("dp", "cp"), ("dp_shard", "cp"), layout.zero_shards, "dp")]
+    if experts:
+        sets.append((experts, ("edp",), ("edp_shard",), layout.expert_shards, "edp"))
+    return sets
+
+
+def gradient_buckets(arch: Arch, cluster: Cluster, layout: Layout, call_s: float = 0.0) -> list[Buckets]:
+    """Per gradient set (``_gradient_sets``), the buckets ZeRO-0's all-reduce (DataParallel) or
+    ZeRO-1/2's reduce-scatter cut its fp32 gradients into (``buckets.bucket_plan``: the runtime's
+    ``bucket_cap_mb = "auto"`` rule); ZeRO-1/2's units are these buckets. On a stage holding the
+    embedding (pp = 1) its gradient, produced last, is the last bucket when larger than the cap."""
+    out = []
+    for i, (p, full, shard_dims, _, _) in enumerate(_gradient_sets(arch, layout)):
+        op = "all_reduce" if layout.zero_stage == 0 else "reduce_scatter"
+        group = group_of(layout, cluster, full if op == "all_reduce" else shard_dims)
+        tensors = registered_tensors(arch, layout, GRAD) if i == 0 else None
+        out.append(bucket_plan(cluster, layout, p * GRAD, group, op, elem_bytes=GRAD, tensors=tensors,
+                               call_s=call_s))
+    return out
 
 
 def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, f: float, b: float,
                    algos: dict[str, str]) -> tuple[float, float]:
-    """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates). Dense
-    parameters reduce over dp x cp (ZeRO shards over dp_shard x cp); a MoE model's routed experts
-    over their expert-data-parallel group, (dp x cp / ep) x tp (shards over dp_shard x cp / ep x tp),
-    each with its own collectives, one after the other in the same windows."""
-    dense, experts = stage_param_split(arch, layout)
-    # (parameters, all-reduce group, ZeRO shard group, replica group, shard size, label prefix)
-    sets = [(dense, ("dp", "cp"), ("dp_shard", "cp"), ("dp_replicate",), layout.zero_shards, "dp")]
-    if experts:
-        sets.append((experts, ("edp",), ("edp_shard",), ("dp_replicate",), layout.expert_shards, "edp"))
+    """(exposed seconds of the dp/ZeRO collectives, parameters this rank's optimizer updates), per
+    gradient set (``_gradient_sets``), one set after the other in the same windows.
+
+    ZeRO-0 and ZeRO-1/2 reduce in buckets (``gradient_buckets``), each bucket one collective behind the
+    backward, the last one exposed; ZeRO-1/2 then gather the updated weights unit by unit (a unit is
+    a bucket). ZeRO-3's units are blocks, its gathers before each forward and backward."""
     z = layout.zero_stage
     layers = max(sc.layers, 1)
-    rs = ag = ag_opg = rep_t = ar = 0.0
+    rs = ag = rep_t = ar = tail = ag_tail = 0.0
     opt_params = 0.0
-    for p, full, shard_dims, rep_dims, shard, name in sets:
-        if z == 0:  # every rank of the group a replica: one all-reduce
-            t, algo = collective("all_reduce", p * GRAD, group_of(layout, cluster, full), cluster)
+    buckets = gradient_buckets(arch, cluster, layout) if z < 3 else []
+    for i, (p, full, shard_dims, shard, name) in enumerate(_gradient_sets(arch, layout)):
+        if z == 0:  # every rank of the group a replica: one all-reduce per bucket
+            group = group_of(layout, cluster, full)
+            t, algo = bucketed("all_reduce", buckets[i], p * GRAD, group, cluster)
             ar += t
             if t:
                 algos[f"{name} all_reduce"] = algo
+                tail = max(tail, tail_seconds("all_reduce", buckets[i], group, cluster))
             opt_params += p
             continue
         g = group_of(layout, cluster, shard_dims)
-        t, algo = collective("reduce_scatter", p * GRAD, g, cluster)
+        units = buckets[i] if z < 3 else Buckets(1, 1, p * GRAD)  # ZeRO-3: priced whole (units are blocks)
+        t, algo = bucketed("reduce_scatter", units, p * GRAD, g, cluster)
         rs += t
         if t:
             algos[f"{name} reduce_scatter"] = algo
-        # HSDP: each shard's gradient is then all-reduced over the replicas, at the step (exposed)
+            tail = max(tail, tail_seconds("reduce_scatter", units, g, cluster))
+        # HSDP: each shard's gradient is then all-reduced over the replicas, unit by unit, at the step (exposed)
         if layout.dp_replicate > 1:
-            t, algos[f"{name}_replicate all_reduce"] = collective(
-                "all_reduce", p * GRAD / shard, group_of(layout, cluster, rep_dims), cluster)
+            rep = group_of(layout, cluster, ("dp_replicate",))
+            t, algos[f"{name}_replicate all_reduce"] = bucketed(
+                "all_reduce", units if z < 3 else Buckets(1, layers + 1, 0.0), p * GRAD / shard, rep, cluster)
             rep_t += t
-        compute_weights = p * (MASTER if layout.precision == "fp32" else 2)  # the weights in the compute dtype
         # ZeRO-1/2 gather the updated fp32 weights after the step (a peer's opg: the compute dtype,
         # behind the next forward); ZeRO-3 gathers them in the compute dtype before each pass
-        t, algo = collective("all_gather", p * MASTER if z in (1, 2) and not layout.overlap_param_gather
-                             else compute_weights, g, cluster)
+        weight = MASTER if z in (1, 2) and not layout.overlap_param_gather else \
+            (MASTER if layout.precision == "fp32" else 2)
+        t, algo = bucketed("all_gather", units, p * weight, g, cluster)
         ag += t
         if t:
             algos[f"{name} all_gather"] = algo
+            ag_tail = max(ag_tail, collective("all_gather", units.tail / GRAD * weight, g, cluster)[0])
         opt_params += p / shard
-    if z == 0:
-        # bucketed behind the backward; the last bucket cannot overlap
-        return (max(0.0, ar - b) + ar / layers, opt_params) if ar else (0.0, opt_params)
+    if z == 0:  # bucketed behind the backward; the last bucket cannot overlap
+        return (max(0.0, ar - b) + tail, opt_params) if ar else (0.0, opt_params)
     if z in (1, 2):  # gradients reduce-scatter behind the last backward, then the weights are gathered
-        grads_exposed = max(0.0, rs - b) + rs / layers + rep_t
-        if layout.overlap_param_gather:
-            return grads_exposed + max(0.0, ag - f) + ag / layers, opt_params
+        grads_exposed = max(0.0, rs - b) + tail + rep_t
+        if layout.overlap_param_gather:  # behind the next forward, but for its first bucket
+            return grads_exposed + max(0.0, ag - f) + ag_tail, opt_params
         return grads_exposed + ag, opt_params
     # ZeRO-3: weights gathered in the compute dtype before each forward and again before each backward
     # (once per step under a pipeline, which keeps them gathered across micro-batches)
@@ -322,23 +357,32 @@ def _data_parallel(arch: Arch, cluster: Cluster, layout: Layout, sc: StageComput
     return exposed + rep_t, opt_params
 
 
+def _units(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute, call_s: float = 0.0) -> int:
+    """ZeRO's units of the stage's dense parameters: ZeRO-3 one per block and the root; ZeRO-1/2 the
+    buckets (``gradient_buckets``); 0 without ZeRO."""
+    if layout.zero_stage == 3:
+        return sc.layers + 1
+    return gradient_buckets(arch, cluster, layout, call_s)[0].count if layout.zero_stage else 0
+
+
 def _step_collectives(arch: Arch, cluster: Cluster, layout: Layout, sc: StageCompute) -> float:
     """This host: the fixed cost of the small collectives a meshtrain step makes outside its blocks,
     beyond the alpha the analytic terms already charge: the loss (over pp, over dp x cp), the grad
     norm (one per axis it sums over), the data-parallel buckets, ZeRO-1/2's per-unit reduce-scatter
-    and all-gather, ZeRO-3's root unit, HSDP's per-unit replica all-reduce. Each costs
-    ``collective_latency`` of the layout's ranks (measured)."""
-    units = sc.layers + 1  # ZeRO's units: one per block, one root
+    and all-gather (units are buckets), ZeRO-3's root unit, HSDP's per-unit replica all-reduce. Each
+    costs ``collective_latency`` of the layout's ranks (measured), which also sizes the buckets as the
+    runtime's measured call does (``buckets.runtime_link``)."""
+    lat = collective_latency(layout.world, threads_per_rank(layout.world))
     shards = layout.zero_shards > 1 and layout.zero_stage > 0
     count = (layout.pp > 1) + (layout.dp * layout.cp > 1)  # the loss
     count += (layout.pp > 1) + (layout.tp > 1) + shards  # the grad norm's axes
+    units = _units(arch, cluster, layout, sc, lat)
     if layout.zero_stage == 0 and layout.dp * layout.cp > 1:
-        count += math.ceil(stage_params(arch, layout) * GRAD / BUCKET_CAP)
+        count += gradient_buckets(arch, cluster, layout, lat)[0].count
     elif layout.zero_stage in (1, 2) and shards:
         count += 2 * units
     elif layout.zero_stage == 3 and shards:
         count += 3  # the root unit's gathers and reduce-scatter (the blocks' are in the profile)
     if layout.dp_replicate > 1 and layout.zero_stage:
         count += units
-    lat = collective_latency(layout.world, threads_per_rank(layout.world))
     return count * max(0.0, lat - cluster.intra.latency)

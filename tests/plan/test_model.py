@@ -152,11 +152,17 @@ def test_pipeline_sends_one_hidden_state_per_chunk_boundary_each_way():
 
 
 def test_ring_attention_hides_behind_long_sequences_not_short_ones():
+    from meshtrain.plan.collectives import p2p
+
     a = ARCHS["llama3-8b"]
     long = predict(a, H100, Layout(dp=4, cp=2), 4, 32768)
     short = predict(a, H100, Layout(dp=4, cp=2), 4 * 64, 512)
-    assert long.parts["cp"] == 0.0  # a step's K/V transfer is shorter than its attention
-    assert short.parts["cp"] > 0.0
+    # a step's K/V transfer is shorter than its attention: only the dK/dV's last hop home is exposed,
+    # once a block in backward (fp32, K and V of this rank's 16384 tokens)
+    home = p2p(16384 * 2 * a.kv_dim * 4, True, H100)
+    assert long.parts["cp"] == pytest.approx(a.n_layers * home)
+    short_home = p2p(64 * 256 * 2 * a.kv_dim * 4, True, H100)
+    assert short.parts["cp"] > a.n_layers * short_home  # the steps' transfers show too
 
 
 def test_afab_holds_m_microbatches_where_1f1b_holds_pp():
@@ -195,6 +201,8 @@ def test_hsdp_shards_over_dp_shard_and_all_reduces_shards_over_replicas():
 
 
 def test_overlapped_param_gather_moves_zero1s_gather_behind_the_forward_in_bf16():
+    from meshtrain.plan import step
+    from meshtrain.plan.buckets import bucketed, tail_seconds
     from meshtrain.plan.layout import parse_layout
 
     a = ARCHS["llama3-8b"]
@@ -204,12 +212,19 @@ def test_overlapped_param_gather_moves_zero1s_gather_behind_the_forward_in_bf16(
     assert parse_layout(behind.label()) == behind
     p = stage_params(a, after)
     g = group_of(after, H100, ("dp_shard", "cp"))
-    fp32, _ = collective("all_gather", p * 4, g, H100)
-    bf16, _ = collective("all_gather", p * 2, g, H100)
-    f = stage_compute(a, after, H100, 2, 8192).forward  # two sequences per rank
-    assert bf16 < f  # so all of it but one block's share hides behind the forward
-    saved = predict(a, H100, after, 128, 8192).parts["dp"] - predict(a, H100, behind, 128, 8192).parts["dp"]
-    assert saved == pytest.approx(fp32 - bf16 / a.n_layers)
+    mine, megatron = step.gradient_buckets(a, H100, after)[0], step.gradient_buckets(a, H100, behind)[0]
+    assert megatron.cap == 64_000_000 * 4 != mine.cap  # each runtime's own buckets
+    sc = stage_compute(a, after, H100, 2, 8192)  # two sequences per rank
+    for b in (mine, megatron):  # the reduce-scatters hide behind the backward but for the last bucket
+        assert bucketed("reduce_scatter", b, p * 4, g, H100)[0] < sc.backward
+    fp32 = bucketed("all_gather", mine, p * 4, g, H100)[0]  # meshtrain: fp32, after the step, exposed
+    bf16 = bucketed("all_gather", megatron, p * 2, g, H100)[0]
+    assert bf16 < sc.forward  # so all of it but the first bucket hides behind the forward
+    first = collective("all_gather", megatron.tail / 2, g, H100)[0]
+    assert predict(a, H100, after, 128, 8192).parts["dp"] == pytest.approx(
+        tail_seconds("reduce_scatter", mine, g, H100) + fp32)
+    assert predict(a, H100, behind, 128, 8192).parts["dp"] == pytest.approx(
+        tail_seconds("reduce_scatter", megatron, g, H100) + first)
     # ZeRO-3 gathers behind the forward anyway: the setting changes nothing there
     z3 = predict(a, H100, parse_layout("dp=64,zero=3"), 64, 8192)
     assert predict(a, H100, parse_layout("dp=64,zero=3,opg=1"), 64, 8192).step_time == z3.step_time

@@ -16,6 +16,7 @@ from meshtrain.plan.architectures import resolve_model
 from meshtrain.plan.clusters import PRESETS
 from meshtrain.plan.layout import parse_layout
 from meshtrain.plan.memory import sharded
+from meshtrain.plan import step
 from meshtrain.plan.step import predict
 
 H100 = PRESETS["h100"]
@@ -48,7 +49,8 @@ def test_device_memory_drops_by_what_moves_and_time_rises_by_the_modelled_pcie(t
     cpu = shard / (H100.host_adam_rate / ranks)
     assert off.parts["optimizer"] == pytest.approx(cpu)
     d2h = h2d = 4 * shard / H100.pcie_bandwidth  # fp32 gradient down, fp32 master up, per step
-    units = ARCH.n_layers + 1
+    # ZeRO's units, filled and drained one at a time: blocks and the root (ZeRO-3), buckets (ZeRO-1/2)
+    units = ARCH.n_layers + 1 if layout.zero_stage == 3 else step.gradient_buckets(ARCH, H100, layout)[0].count
     if offload == "params":
         h2d = 0.0
     pcie = max(cpu, d2h, h2d) - cpu + (d2h + h2d) / units

@@ -37,11 +37,22 @@ def test_ring_attention_exposure_shrinks_with_sequence_and_grows_without_overlap
     assert share[0] > share[1] >= share[2] >= 0.0 and share[0] > 0.0
 
 
-def test_ring_merge_moves_bytes_for_each_step_after_the_first():
+def test_ring_bookkeeping_is_counted_from_pytorchs_ring_per_step():
     one, two, eight = (ring_merge_bytes(L8B, Layout(cp=c)) for c in (1, 2, 8))
-    assert one == (0.0, 0.0) and eight[0] == pytest.approx(7 * two[0]) and eight[1] == pytest.approx(7 * two[1])
-    # at bf16, forward: up-cast (2 + 4) and three fp32 passes (32) per output element
-    assert two[0] == pytest.approx(L8B.o_dim * 38)
+    assert one == (0.0, 0.0)
+    q, kv = L8B.o_dim, 2 * L8B.kv_dim  # kv heads as they are (no kvrep): K and V 1024 wide each
+    # forward, bf16: per step the merge (up-cast 6, three fp32 passes 32; half the steps on half the
+    # queries plus a whole r4 w4 copy: 0.75 x 6 + 28) and the K/V concatenation (r2 w2); the first
+    # block's up-cast and the final down-cast (6 each) once
+    step_f = q * (0.75 * 6 + 28) + kv * 4
+    assert two[0] == pytest.approx(step_f + 12 * q) and eight[0] - two[0] == pytest.approx(6 * step_f)
+    # backward: every step adds dq, dk, dv into fp32 (r4 r2 w4, half the steps via a partial update:
+    # +1.5 on average) and concatenates dK, dV (r4 w4); every step but the last concatenates K, V (r2 w2)
+    step_b = (q + kv) * 11.5 + kv * 8 + kv * 4
+    assert eight[1] - two[1] == pytest.approx(6 * step_b)
+    # kvrep=1: the peer's repeated K/V are as wide as the queries, and move that much more
+    rep = ring_merge_bytes(L8B, Layout(cp=8, kv_repeat=True))
+    assert rep[0] - eight[0] == pytest.approx(7 * 2 * (q - L8B.kv_dim) * 4)
 
 
 def test_attention_rate_follows_the_kernels_length_curve_and_cudnn_is_faster():
@@ -51,6 +62,38 @@ def test_attention_rate_follows_the_kernels_length_curve_and_cudnn_is_faster():
     cudnn = attention_rate(H100, dataclasses.replace(layout, attn_kernel="cudnn"), 16384)
     assert cudnn / rates[2] == pytest.approx(H100.fused_attention_speedup)
     assert attention_rate(H100, layout, 16384, backward=True) < rates[2]
+
+
+def test_triton_attention_runs_at_flashattention1s_rate():
+    # llm-foundry's Triton FlashAttention (MosaicML's runs): FlashAttention-1's 25-40 % of an A100's peak,
+    # its top at long sequences, on FlashAttention-2's length curve; no Hopper measurement: half FA2's
+    a100, tri = PRESETS["a100"], Layout(dp=8, attn_kernel="triton")
+    assert attention_rate(a100, tri, 65536) == pytest.approx(312e12 * 0.40)
+    assert attention_rate(a100, tri, 65536, backward=True) == pytest.approx(312e12 * 0.40)
+    assert attention_rate(a100, tri, 512) == pytest.approx(312e12 * 0.40 * 191 / 335)
+    assert attention_rate(H100, tri, 16384) == pytest.approx(attention_rate(H100, Layout(dp=8), 16384) / 2)
+    assert parse_layout("dp=8,attn=triton").label() == "dp=8,tp=1,pp=1,cp=1,attn=triton,zero=0,ac=none"
+
+
+def test_repeated_kv_heads_widen_the_ring_and_its_last_hop_is_exposed():
+    from meshtrain.plan.collectives import p2p
+    from meshtrain.plan.compute import attention_kv_width
+
+    l405 = ARCHS["llama3-405b"]  # 128 heads, 8 kv heads: tp=8 leaves one kv head, or 16 repeated ones
+    plain = parse_layout("dp=1,tp=8,pp=8,cp=8,m=8,cpag=1,zero=3,ac=full")
+    rep = dataclasses.replace(plain, kv_repeat=True)
+    assert attention_kv_width(l405, plain) == 128 and attention_kv_width(l405, rep) == 16 * 128
+    assert rep.label().endswith("cpag=1,kvrep=1,zero=3,ac=full") and parse_layout(rep.label()) == rep
+    tokens, seq = 32768, 262144
+    f0, b0 = _context_parallel(l405, H100, plain, tokens, seq, {})
+    f1, b1 = _context_parallel(l405, H100, rep, tokens, seq, {})
+    # cp ranks sit tp = 8 apart, one a node: the 16x wider all-gather outgrows the first step on the NICs
+    assert f0 == 0.0 < f1
+    assert b0 == pytest.approx(p2p(tokens * 2 * 128 * 4, False, H100))  # only the dK/dV's last hop home
+    assert b1 >= p2p(tokens * 2 * 2048 * 4, False, H100)
+    # the repeat is an element-wise copy on every block, CP or not
+    assert elementwise_per_token(L8B, Layout(dp=8, kv_repeat=True), H100) > elementwise_per_token(L8B, Layout(dp=8),
+                                                                                                   H100)
 
 
 def test_zero_across_nodes_costs_no_more_than_dp_all_reduce_for_the_same_bytes():

@@ -60,28 +60,6 @@ def test_parallel_block_runs_meshtrains_tp_block_in_the_layouts_ranks_and_leaves
     assert set(os.listdir("/dev/shm")) <= before  # the copies closed their shared memory on the way out
 
 
-def test_step_collectives_count_meshtrains_calls(monkeypatch):
-    from meshtrain.plan import step
-    from meshtrain.plan.compute import StageCompute
-    from meshtrain.plan.host import this_host
-    from meshtrain.plan.layout import parse_layout
-
-    monkeypatch.setattr(step, "collective_latency", lambda world, threads: 1e-3)
-    host = replace(this_host(peak=1e11, bandwidth=5e10, base_memory=3e8), intra=replace(this_host(
-        peak=1e11, bandwidth=5e10, base_memory=3e8).intra, latency=0.0))
-    arch = from_llama_config("test", replace(PRESETS["test"], vocab_size=512))
-    sc = StageCompute(0.0, 0.0, 0.0, layers=4)
-
-    def calls(text: str) -> float:
-        return step._step_collectives(arch, host, parse_layout(text), sc) / 1e-3
-
-    assert calls("dp=4") == pytest.approx(2)  # the loss, one bucket (3.6 MB of gradients)
-    assert calls("dp=4,zero=1") == pytest.approx(1 + 1 + 2 * 5)  # loss, norm, RS + AG per unit (4 blocks + root)
-    assert calls("dp=4,zero=3") == pytest.approx(1 + 1 + 3)  # loss, norm, the root unit
-    assert calls("dp=4,rep=2,zero=3") == pytest.approx(1 + 1 + 3 + 5)  # and each unit's replica all-reduce
-    assert calls("tp=2,pp=2,m=2") == pytest.approx(1 + 2)  # the loss over pp; the norm over pp and tp
-
-
 def test_runtime_memory_falls_back_to_the_import_floor_when_its_run_fails(monkeypatch, tmp_path):
     from meshtrain.plan import bench, host
 

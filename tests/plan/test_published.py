@@ -1,8 +1,8 @@
 """The planner's own validation set (meshtrain/plan/published*.py): at least 15 published runs from
 at least 3 sources, each cited, with fit rows (used to set a constant) kept apart from check rows, and
 the bar computed over the check rows: median absolute step-time error <= 10 %, worst <= 25 %, median
-memory error <= 10 %. The worst-error bar is missed (rows at 128K-256K tokens, a memory-starved 70B):
-a strict xfail that names them, so meeting it one day fails loudly and the docs get updated."""
+memory error <= 10 %. The worst-error bar is missed (the 8B at 256K tokens, a memory-starved 70B): a
+strict xfail that names them, so meeting it one day fails loudly and the docs get updated."""
 
 import pytest
 
@@ -31,11 +31,19 @@ def test_check_rows_meet_the_median_bar_and_memory_bar(rows):
     assert s["check"]["worst"] == errors[-1]
 
 
-@pytest.mark.xfail(strict=True, reason="missed: torchtitan 8B at 128K/256K tokens (CP 4/8) and 405B at 256K, "
-                   "MosaicML MPT-7B at 64K on A100 and MPT-70B on 64 A100-40GB run 25-42% slower than priced; "
-                   "docs/plan.md, 'What the misses are'")
+@pytest.mark.xfail(strict=True, reason="missed: MosaicML MPT-70B on 64 A100-40GB (+40%) and torchtitan 8B at 256K "
+                   "tokens (CP 8, +31%) run slower than priced; docs/plan.md, 'What the misses are'")
 def test_check_rows_meet_the_worst_error_bar(rows):
     assert summary(rows)["check"]["worst"] <= BAR_WORST
+
+
+MISSES = {"MosaicML MPT-70B, 64 A100-40GB, 2048 tokens", "torchtitan 8B FSDP 1 x CP 8, 256K tokens (T2)"}
+"""The check rows beyond the worst-error bar, as docs/plan.md names them."""
+
+
+def test_the_rows_beyond_the_bar_are_the_ones_the_docs_name(rows):
+    beyond = {r["run"] for r in rows if r["role"] == "check" and abs(r["error"]) > BAR_WORST}
+    assert beyond == MISSES
 
 
 def test_every_memory_comparable_published_layout_is_predicted_to_fit(rows):

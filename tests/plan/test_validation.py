@@ -112,6 +112,7 @@ TOML_FIELDS = [
     ("attention_efficiency", "0", "attention_efficiency = 0 must be > 0"),
     ("attention_bwd_efficiency", "1.2", "attention_bwd_efficiency = 1.2 must be <= 1"),
     ("fused_attention_speedup", "0.9", "fused_attention_speedup = 0.9 must be >= 1"),
+    ("fa1_attention_efficiency", "1.5", "fa1_attention_efficiency = 1.5 must be <= 1"),
     ("hbm_efficiency", "-0.7", "hbm_efficiency = -0.7 must be > 0"),
     ("fp8_speedup", "0.5", "fp8_speedup = 0.5 must be >= 1"),
     ("gemm_k0", "-720", "gemm_k0 = -720 must be >= 0"),
