@@ -4,7 +4,8 @@ in which a host is killed (kill -9 of all its processes) and comes back, again a
     sudo .venv/bin/python benchmarks/elastic_soak.py --kills 3 --steps 300 --out runs/elastic-soak
 
 Hosts (default 3) x 2 ranks, dp3 x tp2 (the test model, a global batch of 6: dp2 x tp2 with a host
-lost), a checkpoint every 4 steps, ``--nnodes 2:3``. First the same job undisturbed on the same
+lost), a checkpoint every 4 steps, in-memory replicas every step (``--memory-every``; 0 resumes
+every failure from the disk checkpoint), ``--nnodes 2:3``. First the same job undisturbed on the same
 simulated hosts; then the disturbed one: after a random 5 to 15 steps of the full world a random
 host other than host0 (whose agent holds the rendezvous store, which cannot be lost) is killed, the
 survivors go on with 2 hosts for a random 5 to 15 steps, the host starts again (a new agent joining
@@ -56,7 +57,8 @@ def _config(args: argparse.Namespace) -> list[str]:
     return [f"--train.steps={args.steps}", f"--checkpoint.every={args.every}", "--model.preset=test",
             "--data.max_bytes=300000", "--data.vocab_size=512", "--train.global_batch=6", "--train.seq_len=32",
             "--train.warmup_steps=2", "--train.lr=0.001", "--train.min_lr=0.001", "--comm.timeout_s=300",
-            f"--parallel.dp={args.hosts}", "--parallel.tp=2", "--elastic.enabled=true"]
+            f"--parallel.dp={args.hosts}", "--parallel.tp=2", "--elastic.enabled=true",
+            f"--elastic.memory_every={args.memory_every}"]
 
 
 def _hosts(args: argparse.Namespace, out: Path, logs: Path, elastic: bool) -> SimulatedHosts:
@@ -147,6 +149,7 @@ def summarize(args: argparse.Namespace, ref_s: float, ref: list[dict], run_s: fl
                 for k in ("detect", "rendezvous", "setup", "reshard", "replay", "total")}
 
     return {"hosts": args.hosts, "ranks_per_host": 2, "steps": args.steps, "checkpoint_every": args.every,
+            "memory_every": args.memory_every, "resumed_from": [r.get("from") for r in shrinks],
             "kills": kills, "undisturbed_s": round(ref_s, 1), "elastic_s": round(run_s, 1),
             "throughput_retained": ref_s / run_s,
             "wall_s_lost_per_kill_and_rejoin": (run_s - ref_s) / max(len(kills), 1),
@@ -163,6 +166,8 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=3, help="host kills, each followed by the host's return")
     p.add_argument("--steps", type=int, default=300, help="training steps of each run")
     p.add_argument("--every", type=int, default=4, help="checkpoint.every")
+    p.add_argument("--memory-every", type=int, default=1,
+                   help="elastic.memory_every (0: no in-memory replicas, every failure resumes from disk)")
     p.add_argument("--hosts", type=int, default=3, help="simulated hosts of 2 ranks (MIN is one less)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/elastic-soak"))

@@ -40,11 +40,13 @@ settings.register_profile("dev", max_examples=100, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# What meshtrain and the torch machinery it drives create: its shm segments, torch's shared tensors
-# and multiprocessing's semaphores in /dev/shm; its scratch and bench directories, the elastic
-# agent's and multiprocessing's in the temp dir. Other programs' files (pip's tmp*, an editor's)
+# What meshtrain and the torch machinery it drives create: its shm segments, an elastic run's
+# in-memory replicas (a failed run keeps them by design; a test that fails one points
+# MESHTRAIN_REPLICA_DIR elsewhere), torch's shared tensors and multiprocessing's semaphores in
+# /dev/shm; its scratch and bench directories, the elastic agent's and multiprocessing's in the
+# temp dir. Other programs' files (pip's tmp*, an editor's)
 # are not the suite's to judge, so a busy machine does not fail it.
-SHM_OURS = ("meshtrain.", "torch_", "sem.mp-")
+SHM_OURS = ("meshtrain.", "meshtrain-mem-", "torch_", "sem.mp-")
 TMP_OURS = ("meshtrain", "torchelastic_", "pymp-")
 
 

@@ -182,6 +182,8 @@ def validate(config: Config) -> None:
           f"checkpoint.keep >= 1 and a checkpoint.dir, got every = {ck.every}, keep = {ck.keep}, dir = {ck.dir!r}")
     _need(not config.elastic.enabled or ck.enabled, "elastic.enabled = true needs checkpoint.enabled = true "
           "(a run on a new world resumes from the last checkpoint); enable checkpoints or elastic.enabled = false")
+    _need(config.elastic.memory_every >= 0, f"elastic.memory_every = {config.elastic.memory_every} must be >= 0 "
+          f"(steps between in-memory replicas; 0 turns them off); use e.g. elastic.memory_every = 1")
     mc = model_config(config)
     _need(t.seq_len <= mc.max_seq_len, f"train.seq_len = {t.seq_len} is longer than model.max_seq_len = "
           f"{mc.max_seq_len}; set model.max_seq_len = {t.seq_len} or a shorter train.seq_len")

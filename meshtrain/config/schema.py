@@ -264,6 +264,10 @@ class ElasticSection:
     """When dp alone cannot absorb the new world (tp x pp x cp larger than it or not dividing it),
     shrink cp, then pp, then tp to divisors of their configured values until a layout fits; false:
     stop with an error that lists the world sizes that work."""
+    memory_every: int = 1
+    """With elastic on: every this many steps each rank keeps its checkpoint shard in its host's
+    memory (/dev/shm) and in a peer host's, and a restart after a crash resumes from the newest step
+    whose every shard survived there instead of the last disk checkpoint; 0: off (disk only)."""
 
 
 @dataclass

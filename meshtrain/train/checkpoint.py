@@ -86,6 +86,16 @@ def _collect(model: ParallelModel, optimizer: ParallelOptimizer | None
     return pieces, scalars, groups
 
 
+def collect_pieces(model: ParallelModel, optimizer: ParallelOptimizer | None, snapshot: bool
+                   ) -> tuple[list[Piece], dict[str, dict], list[dict] | None]:
+    """``_collect``: this rank's pieces, scalars and param groups; with ``snapshot`` the pieces are
+    copies (the price of writing in the background while training changes the parameters)."""
+    tensors, scalars, groups = _collect(model, optimizer)
+    if snapshot:
+        tensors = [(k, v.detach().clone(), shape, box) for k, v, shape, box in tensors]
+    return tensors, scalars, groups
+
+
 def save_checkpoint(root: str, step: int, model: ParallelModel, optimizer: ParallelOptimizer | None,
                     extra: dict[str, Any] | None = None, keep: int = 3) -> str:
     """Save model, optimizer state and ``extra`` as ``root/step-<step>/``; return that path.
@@ -154,9 +164,7 @@ def begin_save(root: str, step: int, model: ParallelModel, optimizer: ParallelOp
     try:
         extra_json = to_json(extra or {})
         json.dumps(extra_json)
-        tensors, scalars, groups = _collect(model, optimizer)
-        if snapshot:  # the async save's price: a copy of what this rank writes
-            tensors = [(k, v.detach().clone(), shape, box) for k, v, shape, box in tensors]
+        tensors, scalars, groups = collect_pieces(model, optimizer, snapshot)
         if rank == 0:
             if os.path.exists(tmp):  # left by a save that crashed at this step
                 shutil.rmtree(tmp)
@@ -175,19 +183,34 @@ def begin_save(root: str, step: int, model: ParallelModel, optimizer: ParallelOp
 def _commit(root: str, tmp: str, final: str, step: int, model: ParallelModel, has_optimizer: bool,
             groups: list[dict] | None, extra: Any, keep: int) -> None:
     """Rank 0, after every shard is durable: metadata.json (last), rename, ``latest``, prune."""
-    entries, files, scalars = merge_sidecars(tmp)
+    commit_shards(root, tmp, final, checkpoint_meta(step, model, has_optimizer, groups, extra), keep)
+
+
+def checkpoint_meta(step: int, model: ParallelModel, has_optimizer: bool, groups: list[dict] | None,
+                    extra: Any) -> dict[str, Any]:
+    """metadata.json but for what the shards add (``commit_shards`` fills in files, entries and the
+    optimizer's scalars): everything rank 0 knows before a shard is written."""
     pc = model.config
-    meta = {
+    return {
         "format": FORMAT, "version": VERSION, "step": step,
         "layout": dict(model.mesh.shape), "axes": dict(model.mesh.axes), "world_size": model.mesh.world_size,
         "parallel": {"zero_stage": pc.zero_stage, "schedule": pc.schedule, "microbatches": pc.microbatches,
                      "virtual_stages": pc.virtual_stages, "sequence_parallel": pc.sequence_parallel},
-        "files": files, "entries": entries,
-        "optimizer": {"param_groups": to_json(groups or []), "scalars": scalars,
-                      "has_state": any(e["key"].startswith("optim/") for e in entries) or bool(scalars)}
+        "files": {}, "entries": [],
+        "optimizer": {"param_groups": to_json(groups or []), "scalars": {}, "has_state": False}
         if has_optimizer else None,
         "extra": extra,
     }
+
+
+def commit_shards(root: str, tmp: str, final: str, meta: dict[str, Any], keep: int) -> None:
+    """Rank 0, once every rank's shard and sidecar in ``tmp`` is durable: merge the sidecars into
+    ``meta`` (``checkpoint_meta``'s) and commit it (``commit_step_dir``)."""
+    entries, files, scalars = merge_sidecars(tmp)
+    meta = {**meta, "files": files, "entries": entries}
+    if meta["optimizer"] is not None:
+        meta["optimizer"] = {**meta["optimizer"], "scalars": scalars,
+                             "has_state": any(e["key"].startswith("optim/") for e in entries) or bool(scalars)}
     commit_step_dir(root, tmp, final, meta, keep)
 
 

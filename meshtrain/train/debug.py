@@ -95,14 +95,16 @@ def world_changes(run_dir: str | Path, restarts: bool = False) -> list[dict[str,
 
 def describe_world_change(row: dict[str, Any]) -> str:
     """One line for a world-change (or restart) row: the step, the layouts, the worlds, the steps
-    replayed and the seconds measured (a part that could not be timed shows as "?")."""
+    replayed, the seconds measured (a part that could not be timed shows as "?") and where the step
+    came from (memory or disk)."""
     from .elastic import layout_label as label
 
     secs = ", ".join(f"{k} " + ("?" if v is None else f"{v:.2f} s") for k, v in row.get("seconds", {}).items())
     what = "restart" if row.get("event") == "restart" else f"{row['old_world']} -> {row['new_world']} ranks"
     replayed = f", {row['replayed_steps']} step(s) replayed" if "replayed_steps" in row else ""
+    source = f", resumed from {row['from']}" if row.get("from") else ""  # in-memory replicas or disk
     return (f"after step {row['step']}: {what}, {label(row['old_layout'])} -> {label(row['new_layout'])} "
-            f"({secs}{replayed})" + (f"; {row['reason']}" if row.get("reason") else "")
+            f"({secs}{replayed}{source})" + (f"; {row['reason']}" if row.get("reason") else "")
             + (f"; stopped by {row['stopped_by']}" if row.get("stopped_by") else ""))
 
 

@@ -300,14 +300,21 @@ def agree_to_stop(requested: bool, device: torch.device | str = "cpu") -> bool:
     """Collective over the world: True on every rank if any rank asks to stop (an all-reduce MAX of
     one flag), so all ranks stop after the same step though a SIGTERM reaches them at different times.
     ``device``: the training device (an NCCL group moves only CUDA tensors)."""
+    return agree_at_boundary(requested, 0, device)[0]
+
+
+def agree_at_boundary(requested: bool, done: int, device: torch.device | str = "cpu") -> tuple[bool, int]:
+    """``agree_to_stop``, and in the same all-reduce the smallest ``done`` over the ranks: the newest
+    step whose in-memory replicas every rank has finished keeping (``memory_replica``; -1 if a rank's
+    copy failed). One all-reduce MAX of [flag, -done]: no collective more than the stop flag's."""
     from .. import comm
 
-    flag = torch.tensor([1.0 if requested else 0.0], device=device)
+    flag = torch.tensor([1.0 if requested else 0.0, -float(done)], dtype=torch.float64, device=device)
     comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return bool(flag[0].item() > 0), int(-flag[1].item())
 
 
 __all__ = ["EXIT_PREEMPTED", "SHRINK_ORDER", "preempted_summary", "preempted_message", "layout_label",
            "allowed_worlds", "layout_for_world", "effective_config", "with_degrees", "layout_of_checkpoint",
            "world_change_row", "request_stop", "stop_requested", "sigterm_stops", "call_interruptibly",
-           "agree_to_stop"]
+           "agree_to_stop", "agree_at_boundary"]

@@ -26,7 +26,7 @@ from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
-from . import elastic, elastic_world
+from . import elastic, elastic_world, memory_replica
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_io import step_dir_name
 from .checkpoint_async import CheckpointSaver
@@ -136,8 +136,9 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     rank0 = comm.get_rank() == 0
     run_dir = Path(config.out)
     ckpt_root = run_dir / config.checkpoint.dir
+    replicas = memory_replica.start(config, model, device)  # elastic: the step state kept in host memory
     loading = time.perf_counter()
-    start_step, saved = _resume(config, ckpt_root, model, opt, loader, scaler)
+    start_step, saved = _resume(config, ckpt_root, model, opt, loader, scaler, replicas)
     resumed = time.perf_counter()
     elastic_world.begin(run_dir, start_step)
     logger = None
@@ -146,7 +147,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         (run_dir / "config.toml").write_text(to_toml(configured))  # as launched: elastic derives layouts from it
         row = None
         if saved is not None and config.elastic.enabled:  # before the logger appends to metrics.jsonl
-            row = _elastic_row(config, run_dir, saved, start_step, reshaped, entered, loading, resumed)
+            row = _elastic_row(config, run_dir, saved, start_step, reshaped, entered, loading, resumed,
+                               "memory" if replicas is not None and replicas.restored == start_step else "disk")
         logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress)
         if row is not None:
             stops = row.pop("_stops")
@@ -191,18 +193,28 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
                 saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra=extra(step))
                 saved_step = step
-            # elastic: one flag all-reduced per step, so every rank stops after the same one
-            if (config.elastic.enabled and step < t.steps
-                    and elastic.agree_to_stop(elastic.stop_requested(), device)):
+            if not config.elastic.enabled or step == t.steps:
+                continue
+            # elastic: one flag all-reduced per step, so every rank stops after the same one; the same
+            # all-reduce tells every rank the newest step whose memory replicas all ranks kept
+            done = replicas.wait() if replicas is not None else 0
+            stop, acked = elastic.agree_at_boundary(elastic.stop_requested(), done, device)
+            if stop:
                 saver.wait()  # an async save of this step commits here
                 if saved_step != step:
                     save_checkpoint(str(ckpt_root), step, model, opt, extra(step), ck.keep)
+                if replicas is not None:  # the checkpoint just saved holds what they hold
+                    replicas.close()
                 elastic_world.write_stop(run_dir, comm.get_rank(), comm.get_world_size(),
                                          f"SIGTERM: stopped after step {step} with its checkpoint (a membership "
                                          f"change, or preemption)")
                 stopped = step
                 break
+            if replicas is not None:
+                replicas.snapshot(step, acked, opt, lambda: extra(step))
         saver.wait()  # an async save in flight is committed before the run ends
+        if replicas is not None and not stopped:  # a finished run needs them no more, on any host
+            replicas.close()
     except CollectiveError:
         # a hang or a desync: leave this rank's last collectives for `meshtrain debug hang RUN_DIR`
         dump_flight_record(run_dir, comm.get_rank())
@@ -218,6 +230,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
     if scaler is not None:
         summary.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
+    if replicas is not None:  # what keeping the step state in host memory cost (this rank's)
+        summary["memory_replicas"] = dict(replicas.stats)
     if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
@@ -232,11 +246,12 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
 
 
 def _elastic_row(config: Config, run_dir: Path, saved: dict[str, Any], step: int, reason: str | None,
-                 entered: float, loading: float, resumed: float) -> dict[str, Any] | None:
+                 entered: float, loading: float, resumed: float, source: str = "disk") -> dict[str, Any] | None:
     """The ``world_change`` row of an elastic resume under another layout than the checkpoint's, or
     a ``restart`` row of one under the same layout that follows a stop (stop marks) or replays
-    steps; None for a plain resume. Its seconds are ``elastic_world.change_seconds``'; ``_stops``
-    (the marks read, removed once the row is written) is for the caller to pop."""
+    steps; None for a plain resume. Its seconds are ``elastic_world.change_seconds``'; ``source``
+    ("memory" or "disk") is where step ``step`` came from; ``_stops`` (the marks read, removed once
+    the row is written) is for the caller to pop."""
     old = elastic.layout_of_checkpoint(saved)
     new = degrees_of(config.parallel)
     stops = elastic_world.read_stops(run_dir)
@@ -254,13 +269,14 @@ def _elastic_row(config: Config, run_dir: Path, saved: dict[str, Any], step: int
     started = elastic_world.process_start() if "TORCHELASTIC_RUN_ID" in os.environ else entered + wall
     seconds, replayed = elastic_world.change_seconds(stops, step, rows, started, loading + wall, resumed + wall)
     changed = old is not None and old != new
-    if not changed and not stops and not replayed:
+    if not changed and not stops and not replayed and source == "disk":
         return None
     if not changed:
         reason = "the same layout"
     row = elastic.world_change_row(step, old or new, new, reason, seconds,
                                    event="world_change" if changed else "restart",
-                                   stopped_by=elastic_world.stopped_by(stops), replayed_steps=replayed)
+                                   stopped_by=elastic_world.stopped_by(stops), replayed_steps=replayed,
+                                   **{"from": source})
     row["_stops"] = stops
     return row
 
@@ -321,11 +337,16 @@ def check_same_config(config: Config) -> None:
 
 
 def _resume(config: Config, root: Path, model: ParallelModel, opt: Any, loader: GlobalBatchLoader,
-            scaler: DynamicLossScaler | None) -> tuple[int, dict[str, Any] | None]:
+            scaler: DynamicLossScaler | None, replicas: memory_replica.MemoryReplicas | None = None
+            ) -> tuple[int, dict[str, Any] | None]:
     """Load the checkpoint ``checkpoint.resume`` names ("auto": this run's latest, if any) into the
     model, optimizer, loader and fp16 loss scaler (one saved without a scaler leaves it at its
-    initial scale), under whatever layout this run has; returns its step (0: none) and its extra."""
+    initial scale), under whatever layout this run has; returns its step (0: none) and its extra.
+    With ``replicas`` and "auto", a newer step that survived in host memory is committed first
+    (``MemoryReplicas.restore``), so "latest" is that one."""
     want = config.checkpoint.resume
+    if replicas is not None:  # collective: every rank, whatever it resumes
+        replicas.restore(root, config.checkpoint.keep, use=want == "auto")
     if not want:
         return 0, None
     path = latest_checkpoint(str(root)) if want == "auto" else want

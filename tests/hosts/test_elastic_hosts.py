@@ -5,19 +5,25 @@ One run goes through three changes (one run, not three, for the suite's time):
 1. **A frozen worker.** After a few steps one worker of host2 (host1 if host2 got node rank 0; never
    host0, whose agent holds the rendezvous store) gets SIGSTOP. The heartbeats find it within the
    bound of a dead rank (test_kill_across_hosts: 10 s), its sibling on that host kills it
-   (torchrun's agent would wait 30 s to), and the agents restart the world of 6 ranks from the last
-   checkpoint: a ``restart`` row, the steps since that checkpoint trained again.
-2. **A host lost.** At a random step that host is killed (kill -9 of every process). The survivors
-   stop, the agents form a rendezvous of the 2 hosts left, and the run goes on at dp2 x tp2 (the
-   layout named in the log) from the last checkpoint: a ``world_change`` row, 6 -> 4 ranks.
+   (torchrun's agent would wait 30 s to), and the agents restart the world of 6 ranks from the
+   newest step every rank kept in host memory (``elastic.memory_every = 1``, the default): a
+   ``restart`` row, from memory, at most one step trained again.
+2. **A host lost.** At a random step that host is killed (kill -9 of every process, its /dev/shm
+   gone with it). The survivors stop, the agents form a rendezvous of the 2 hosts left, and the
+   run goes on at dp2 x tp2 (the layout named in the log) from the newest step whose every shard
+   survived in memory (the lost host's ranks' copies are on the next host): a ``world_change``
+   row, 6 -> 4 ranks, from memory, at most one step replayed.
 3. **The host back.** A new agent for it joins the rendezvous; the agents see it waiting and
    SIGTERM their workers, which save at a step boundary; the run grows back to dp3 x tp2 and
-   finishes: a ``world_change`` row, 4 -> 6 ranks, nothing replayed.
+   finishes: a ``world_change`` row, 4 -> 6 ranks, from that disk checkpoint, nothing replayed.
 
 Asserted: every step's sample ids are those of an undisturbed run (each sample once, in the
 loader's order), every step's loss is within 1e-5 relative of that run's (ranks as threads, the
 same global batch of 6: 2 or 3 rows per dp rank), the steps replayed after each failure are the
-steps since the last checkpoint (only the failures replay any), and the rows' seconds add up.
+steps since the newest copy that survived (only the failures replay any), the rows' seconds add
+up, and the finished run leaves no replica in any host's /dev/shm. No periodic disk checkpoint
+(``checkpoint.every = 0``): the disk holds only what the stops save and the memory restores commit,
+so a failure that fell back to disk would replay every step since the previous change.
 """
 
 from __future__ import annotations
@@ -38,8 +44,7 @@ from meshtrain.train.debug import describe_world_change, world_changes
 
 from ._util import ROOT, skip_without_namespaces
 
-EVERY = 2
-COMMON = [f"--checkpoint.every={EVERY}", "--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512",
+COMMON = ["--checkpoint.every=0", "--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512",
           "--train.global_batch=6", "--train.seq_len=32", "--train.warmup_steps=2", "--comm.timeout_s=300",
           "--train.lr=0.001", "--train.min_lr=0.001", "--parallel.dp=3", "--parallel.tp=2"]
 STEPS = 24
@@ -124,7 +129,7 @@ def test_a_frozen_worker_a_lost_host_and_its_return_lose_no_sample(tmp_path):
         _until(hosts, lambda: len(events()) >= 3, "the world grown back to 3 hosts")
         codes = hosts.wait(120)
         assert codes == [0, 0, 0], f"exit codes {codes} (seed {seed})\n{hosts.tails()}"
-        for k in up:  # the survivors' restarts left nothing behind in their /dev/shm
+        for k in range(3):  # the restarts left nothing behind in /dev/shm, the finished run no replica
             assert hosts.shm_left(k) == [], (k, hosts.shm_left(k))
         logs = [hosts.log(k) for k in range(3)]
 
@@ -143,7 +148,7 @@ def test_a_frozen_worker_a_lost_host_and_its_return_lose_no_sample(tmp_path):
     assert restart["seconds"]["rendezvous"] < 20, restart  # not torchrun's 30 s wait for a frozen worker
     assert grow["stopped_by"].startswith("SIGTERM"), grow
 
-    # each change resumed from the last checkpoint before it and replayed exactly the steps since
+    # each change resumed from the newest surviving copy before it and replayed exactly the steps since
     bounds = [*marks, len(rows)]
     for n, i in enumerate(marks):
         before = [r["step"] for r in rows[(bounds[n - 1] + 1 if n else 0):i] if "event" not in r]
@@ -152,9 +157,10 @@ def test_a_frozen_worker_a_lost_host_and_its_return_lose_no_sample(tmp_path):
         assert after[0] == change["step"] + 1, (seed, change, before, after)
         assert change["replayed_steps"] == last - change["step"], (seed, change, before)
         if change is grow:  # planned: saved at the step boundary the ranks agreed on, nothing trained twice
-            assert change["step"] == last and change["replayed_steps"] == 0, change
-        else:  # a failure: from the last periodic checkpoint
-            assert change["step"] % EVERY == 0 and 0 <= change["replayed_steps"] <= EVERY, change
+            assert change["step"] == last and change["replayed_steps"] == 0 and change["from"] == "disk", change
+        else:  # a failure: from the newest step every rank kept in memory: the last one, or the one before
+            # (two before if the crash struck at a step boundary while the last copy was in flight)
+            assert change["from"] == "memory" and change["replayed_steps"] <= 2, (seed, change, before)
         secs = change["seconds"]
         assert all(secs[k] is not None and secs[k] >= 0 for k in secs), change
         assert secs["total"] == pytest.approx(sum(v for k, v in secs.items() if k != "total")), change

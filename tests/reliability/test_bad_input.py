@@ -86,6 +86,8 @@ CONFIG_CASES = {
     "model-vocab-smaller-than-tokenizer": (["--model.vocab_size=300"], ["model.vocab_size = 300", "512"]),
     "data-vocab-too-small": (["--data.vocab_size=100"], ["data.vocab_size = 100", "257"]),
     "checkpoint-keep-zero": (["--checkpoint.keep=0"], ["checkpoint.keep >= 1", "keep = 0"]),
+    "elastic-memory-every-negative": (["--elastic.enabled=true", "--elastic.memory_every=-1"],
+                                      ["elastic.memory_every = -1 must be >= 0", "elastic.memory_every = 1"]),
     "precision-typo": (["--train.precision=fp8"], ["train.precision = 'fp8' is not one of fp32, bf16, fp16"]),
     "loss-scale-init-below-one": (["--train.precision=fp16", "--train.loss_scale_init=0"],
                                   ["train.loss_scale_init = 0.0 must be a finite number >= 1", "65536"]),

@@ -273,6 +273,49 @@ def test_sigterm_saves_at_a_step_boundary_and_the_resume_continues_with_the_next
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
 
 
+def test_a_crash_resumes_from_the_step_kept_in_memory_not_the_disk_checkpoint(undisturbed, tmp_path, monkeypatch):
+    """Every rank fails in step 5, two steps after the disk checkpoint of step 3; the restart resumes
+    from step 4, which every rank kept in memory (``elastic.memory_every = 1``, the default), trains
+    steps 5 and 6 with the undisturbed run's samples and losses, and the finished run removes the
+    replicas. (Ranks as threads: one host, so the local copy only; the peer copy across hosts is
+    tests/hosts/test_elastic_hosts.py's.)"""
+    from meshtrain.train import trainer
+
+    shm = tmp_path / "shm"  # the run's /dev/shm: what a failed run leaves stays out of the real one
+    shm.mkdir()
+    monkeypatch.setenv("MESHTRAIN_REPLICA_DIR", str(shm))
+    step, calls = trainer.measure_step, {}
+
+    def fail_in_step_5(*args, **kwargs):
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1
+        if calls[name] == 5:
+            raise RuntimeError("this rank's host died")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "measure_step", fail_in_step_5)
+    out = tmp_path / "crash"
+    args = ["train", f"--out={out}", *ARGS, "--elastic.enabled=true"]
+    with pytest.raises(RuntimeError, match="host died"):
+        main(args)
+    for t in threading.enumerate():  # the copy of step 4, in the background when step 5 failed
+        if t.name == "meshtrain-replica":
+            t.join()
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-00000003"]
+    assert len(list(shm.glob("meshtrain-mem-*/*/step-00000004/rank-*"))) == 4
+
+    monkeypatch.setattr(trainer, "measure_step", step)
+    assert main(args) == 0
+    (restart,) = [r for r in _rows(out) if r.get("event") == "restart"]
+    assert (restart["from"], restart["step"], restart["replayed_steps"]) == ("memory", 4, 0), restart
+    rows = _steps(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["samples"] for r in rows] == _reference_samples()
+    for a, b in zip(_steps(undisturbed), rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+    assert list(shm.iterdir()) == []  # a finished run keeps no replica
+
+
 def test_a_world_with_no_layout_exits_2_naming_the_fix_and_leaves_the_checkpoint(undisturbed, tmp_path, capsys):
     out = tmp_path / "copy"
     shutil.copytree(undisturbed, out)
