@@ -13,6 +13,11 @@ class CollectiveError(MeshtrainError, RuntimeError):
     """A collective operation could not complete (a peer failed, the group was aborted, ...)."""
 
 
+class LaunchError(CollectiveError):
+    """The launch settings cannot work (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE, a rendezvous
+    nobody serves, a port another program holds): bad input, found before any training."""
+
+
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not complete within the group's timeout; names the missing ranks."""
 
@@ -29,7 +34,8 @@ class DataError(MeshtrainError):
     """Training data is missing, empty, or unreadable."""
 
 
-BAD_INPUT = frozenset({"ConfigError", "DataError", "CheckpointError", "ScheduleError", "TrainingDiverged"})
+BAD_INPUT = frozenset({"ConfigError", "DataError", "CheckpointError", "ScheduleError", "TrainingDiverged",
+                       "LaunchError"})
 """The errors (by class name, as a failed worker's message names them) that mean bad input: the
 run exits 2 for them, and 1 for anything else (a lost peer, a crash), whichever launcher ran it."""
 

@@ -24,7 +24,7 @@ import torch
 from .. import comm, worker_processes
 from ..comm.launch import share_cores
 from ..comm.transport import registry
-from ..errors import CollectiveError, ConfigError, MeshtrainError, exit_code
+from ..errors import CollectiveError, ConfigError, LaunchError, MeshtrainError, exit_code
 from . import elastic, elastic_world
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
@@ -68,7 +68,7 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
         if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
             raise
         addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise CollectiveError(f"the rendezvous port {addr} (MASTER_ADDR:MASTER_PORT) is already in use by another "
+        raise LaunchError(f"the rendezvous port {addr} (MASTER_ADDR:MASTER_PORT) is already in use by another "
                               f"process; pick a free port (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
                               f"process that holds it") from exc
     failure: BaseException | None = None

@@ -46,7 +46,7 @@ def test_a_launch_setting_that_cannot_work_fails_in_one_line(tmp_path, case):
     elapsed = time.monotonic() - t0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and re.match(r"meshtrain\.train: error: \[rank \d\] CollectiveError: ", lines[0]), proc.stderr
+    assert len(lines) == 1 and re.match(r"meshtrain\.train: error: \[rank \d\] LaunchError: ", lines[0]), proc.stderr
     assert all(s in lines[0] for s in said), lines[0]
     assert elapsed < 40  # 3 s of init timeout + the interpreter's start, not the 60 s collective timeout
     assert not (tmp_path / "run").exists()

@@ -55,11 +55,11 @@ def test_bad_input_exits_2_and_a_lost_peer_1_whichever_launcher_ran_it():
     """`meshtrain train` (by the failed worker's message) and a torchrun worker (by the exception)
     classify alike: bad input 2, anything else 1."""
     from meshtrain.comm.liveness import PeerLost
-    from meshtrain.errors import CheckpointError, CollectiveTimeout, ConfigError, exit_code
+    from meshtrain.errors import CheckpointError, CollectiveTimeout, ConfigError, LaunchError, exit_code
     from meshtrain.parallel.pipeline.schedule import ScheduleError
     from meshtrain.train.trainer import TrainingDiverged
 
-    for bad in (ConfigError("x"), ScheduleError("x"), CheckpointError("x"), TrainingDiverged("x")):
+    for bad in (ConfigError("x"), ScheduleError("x"), CheckpointError("x"), TrainingDiverged("x"), LaunchError("x")):
         assert exit_code(bad) == 2 and exit_code(type(bad).__name__) == 2, bad
     for other in (PeerLost("x", [1]), CollectiveTimeout("x"), RuntimeError("x"), KeyboardInterrupt()):
         assert exit_code(other) == 1 and exit_code(type(other).__name__) == 1, other

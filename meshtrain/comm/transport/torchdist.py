@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from ...errors import CollectiveError
+from ...errors import CollectiveError, LaunchError
 from ..work import Work
 from .base import PeerTimeout, Transport, p2p_timeout
 from .registry import Capabilities, Setup, TransportSpec, register
@@ -193,7 +193,7 @@ def connect_store(host: str, port: int, world_size: int, is_master: bool, timeou
         raise box["error"]  # type: ignore[misc]
     if "store" not in box:
         rank = os.environ.get("RANK", "?")
-        raise CollectiveError(
+        raise LaunchError(
             f"rank {rank} could not reach the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
             f"{timeout:g}s: something answers on that port but it is not a torch.distributed store. Another program "
             f"probably holds the port: pick a free one (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
@@ -211,7 +211,7 @@ def _await_listener(host: str, port: int, timeout: float) -> None:
             return
         except OSError:
             if time.monotonic() >= deadline:
-                raise CollectiveError(
+                raise LaunchError(
                     f"rank {os.environ.get('RANK', '?')} could not reach the rendezvous store at {host}:{port} "
                     f"(MASTER_ADDR:MASTER_PORT) within {timeout:g}s: nothing answers there. Check the address and "
                     f"port (torchrun --rdzv-endpoint / --master-addr / --master-port) and that the first host's agent "
@@ -301,7 +301,7 @@ def _launch_env() -> tuple[int, int, str, int]:
         except ValueError:
             value = lo - 1
         if not lo <= value <= hi:
-            raise CollectiveError(f"{name}={raw!r} is not an integer in {lo}..{hi}: fix the launcher's "
+            raise LaunchError(f"{name}={raw!r} is not an integer in {lo}..{hi}: fix the launcher's "
                                   f"{'--master-port / --rdzv-endpoint' if name == 'MASTER_PORT' else name}")
         return value
 
@@ -312,7 +312,7 @@ def _launch_env() -> tuple[int, int, str, int]:
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise CollectiveError(
+        raise LaunchError(
             f"MASTER_ADDR={host!r} does not resolve on {socket.gethostname()} ({exc.args[-1]}): torchrun's agents "
             f"advertise their hostname unless given an address, so where hostnames do not resolve give every "
             f"host's torchrun --local-addr ADDRESS (an address of that host the others can reach; 127.0.0.1 for "
