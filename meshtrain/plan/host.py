@@ -82,12 +82,22 @@ def measure_bandwidth(repeats: int = 30) -> float:
     return rate
 
 
+RUNTIME_FOOTPRINT = 2
+"""Part of the runtime memory's cache key: raise it when what a worker imports changes its resident set
+(2: workers no longer import torch._dynamo, about 70 MiB less), so a cached figure is measured anew."""
+
+
+def _runtime_key() -> str:
+    return f"{_key()}-f{RUNTIME_FOOTPRINT}"
+
+
 def measure_runtime_memory() -> float:
     """Bytes a training process holds besides its model: the peak resident set of a one-rank
     ``meshtrain train`` of ``bench.TINY_MODEL`` (the interpreter and torch, the library code its
     kernels page in, the tokenizer and data, metrics and logging), less what the planner predicts that
-    model's weights, gradients, optimizer state and activations take. Cached per interpreter and torch."""
-    key = _key()
+    model's weights, gradients, optimizer state and activations take. Cached per interpreter, torch and
+    ``RUNTIME_FOOTPRINT``."""
+    key = _runtime_key()
     cached = _cached("runtime_memory.json", key)
     if cached:
         return cached
@@ -166,7 +176,8 @@ def cached_this_host() -> Cluster | None:
     from ..train.metrics import cached_cpu_peak
 
     key = _key()
-    peak, rate, base = cached_cpu_peak(), _cached("host_bandwidth.json", key), _cached("runtime_memory.json", key)
+    peak, rate, base = (cached_cpu_peak(), _cached("host_bandwidth.json", key),
+                        _cached("runtime_memory.json", _runtime_key()))
     if not (peak and rate and base):
         return None
     return replace(this_host(peak=peak, bandwidth=rate, base_memory=base), profile_compute=False)

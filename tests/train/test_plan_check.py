@@ -42,7 +42,7 @@ def _calibrate(cache: Path, monkeypatch) -> None:
     monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(cache))
     device_peak(torch.device("cpu"))
     host.measure_bandwidth(repeats=3)
-    host._store("runtime_memory.json", host._key(), RUNTIME_MEMORY)
+    host._store("runtime_memory.json", host._runtime_key(), RUNTIME_MEMORY)
 
 
 def test_a_run_writes_the_plans_prediction_beside_what_it_measured(tmp_path, monkeypatch, capsys):
