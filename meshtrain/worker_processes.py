@@ -6,14 +6,15 @@ multiprocessing's ``spawn`` starts each process as a new interpreter, which impo
 context instead forks each process from a server that preloaded torch (``PRELOAD``): four ranks
 start in about 30 ms once the server is up. Torch is made to be forked after its import (its
 DataLoader's workers are), and the server runs nothing but that import before it forks. It
-leaves out torch's compiler front end (torch._dynamo, about 70 MiB resident and 1 s of CPU): a
-rank that compiles (``train.compile``) imports it then, the others never do (``parallel/not_compiled.py``).
+imports torch's compiler front end (torch._dynamo) too, another 1.2 s of CPU in every process
+that would import it anyway: every training rank does (torch's optimizers import it when they are
+built, and meshtrain's model code marks functions with ``torch.compiler.disable``).
 
 A forked process inherits the *server's* environment, not the caller's as under spawn. ``start``
 therefore carries the caller's ``os.environ`` along and installs it before the target is even
 unpickled, so meshtrain's modules, which read some settings at import (``MESHTRAIN_SHM_*``,
 ``MESHTRAIN_HEARTBEAT_S``), and the caller's own are imported under the caller's environment.
-Only torch was imported before that, under the environment the server
+Only torch (with torch._dynamo) was imported before that, under the environment the server
 started with.
 
 This module imports nothing of meshtrain or torch: unpickling its ``_entry`` in a new process
@@ -30,8 +31,8 @@ import tempfile
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Sequence
 
-PRELOAD = ["torch", "meshtrain.worker_processes"]
-"""What the server imports before it forks: torch (not its compiler front end) and this module, so
+PRELOAD = ["torch", "torch._dynamo", "meshtrain.worker_processes"]
+"""What the server imports before it forks: torch and its compiler front end, and this module, so
 that ``SERVER_ENV`` holds the environment the server started with (in the server and every
 process forked from it)."""
 SERVER_ENV: dict[str, str] = dict(os.environ)

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from .not_compiled import not_compiled
 from ..comm import Group, Work
 from ..errors import ConfigError
 from .tensor_comm import _all_gather
@@ -317,6 +316,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     return _ring_attention(q, k, v, group)
 
 
-@not_compiled  # a graph break under train.compile: dynamo does not trace the ring's messages
+@torch.compiler.disable  # a graph break under train.compile: dynamo does not trace the ring's messages
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
     return RingAttention.apply(q, k, v, group)

@@ -24,7 +24,6 @@ from typing import Any, Callable
 import torch
 
 from .. import comm
-from .not_compiled import not_compiled
 from ..comm import Group
 from ..mesh import Mesh
 from ..models.moe import GatherTokens, GroupedExperts, MoE
@@ -49,7 +48,7 @@ def add_expert_views(mesh: Mesh) -> None:
     mesh.add_views(EXPERT_VIEWS)
 
 
-@not_compiled
+@torch.compiler.disable
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -124,7 +123,7 @@ def _summed_over(group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
     if group.size == 1:
         return lambda t: t
 
-    @not_compiled
+    @torch.compiler.disable
     def reduce(t: torch.Tensor) -> torch.Tensor:
         out = t.detach().clone()
         comm.all_reduce(out, op="sum", group=group)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from .not_compiled import not_compiled
 from ..errors import ConfigError
 from ..mesh import Mesh
 from ..config.parallel import check_expert_parallel
@@ -130,7 +129,7 @@ class ParallelModel:
         mesh = self.mesh
         summed = mesh.group("dp_cp_tp")
 
-        @not_compiled
+        @torch.compiler.disable
         def reduce(t: torch.Tensor) -> torch.Tensor:
             comm.all_reduce(t, op="sum", group=summed)
             return t

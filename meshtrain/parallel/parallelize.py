@@ -122,9 +122,6 @@ def apply_activation_checkpointing(model: Llama, mode: str, every: int = 2) -> N
 def apply_compile(model: Llama) -> None:
     """``torch.compile`` each block's forward (as torchtitan does: per block, so one graph is
     reused by every layer; tp/cp collectives inside a block run eagerly between graphs)."""
-    from .not_compiled import prepare
-
-    prepare()  # the communicator's helpers become torch.compiler.disable'd before dynamo sees them
     for block in model.layers.values():
         block.forward = torch.compile(block.forward)
 

@@ -11,14 +11,13 @@ from typing import Any
 import torch
 
 from .. import comm
-from .not_compiled import not_compiled
 from ..comm import Group
 
 # The helpers that call the communicator are left out of ``torch.compile`` graphs (train.compile):
 # dynamo would otherwise try to trace into its locks and queues; it breaks the graph here instead.
 
 
-@not_compiled
+@torch.compiler.disable
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in group-rank order."""
     if group.size == 1:
@@ -38,7 +37,7 @@ def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x.chunk(group.size, dim=dim)[group.rank].contiguous()
 
 
-@not_compiled
+@torch.compiler.disable
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size == 1:
         return x
@@ -47,7 +46,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-@not_compiled
+@torch.compiler.disable
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Sum over the group, then keep this rank's slice along ``dim``."""
     if group.size == 1:

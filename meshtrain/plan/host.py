@@ -83,8 +83,8 @@ def measure_bandwidth(repeats: int = 30) -> float:
 
 
 RUNTIME_FOOTPRINT = 2
-"""Part of the runtime memory's cache key: raise it when what a worker imports changes its resident set
-(2: workers no longer import torch._dynamo, about 70 MiB less), so a cached figure is measured anew."""
+"""Part of the runtime memory's cache key: raise it when what a worker holds changes, so a cached figure is
+measured anew (2: figures cached before session 21 were about 50 MiB above what its workers hold)."""
 
 
 def _runtime_key() -> str:
