@@ -222,9 +222,29 @@ def on_peer_lost(run_dir: str | None, rank: int, world: int, monitor: Any, hosts
             write_stop(run_dir, rank, world, str(err))
         lost = [r for r in getattr(err, "missing", []) if str(monitor.failures.get(r, "")).endswith("was lost")]
         report_frozen(lost, rank, hosts)
+        hint = rendezvous_hint(elastic, os.environ)
+        if hint:
+            print(hint, file=sys.stderr, flush=True)
 
     return listener
 
 
+def rendezvous_hint(elastic: bool, env: Mapping[str, str]) -> str | None:
+    """What the survivors of a lost host do next, said once per host (its local rank 0) when an elastic
+    run under torchrun with restarts left loses a peer, with the fix for the case torchrun itself
+    only reports later: fewer hosts left than ``--nnodes MIN`` (its ``RendezvousTimeoutError`` after
+    ``join_timeout``, a message that does not say what to do). None elsewhere."""
+    if not elastic or "TORCHELASTIC_RUN_ID" not in env or env.get("LOCAL_RANK", "0") != "0":
+        return None
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) <= 0:
+        return None
+    return (f"meshtrain: [host {socket.gethostname()}] a peer was lost: torchrun's agents now form a new "
+            f"rendezvous with the hosts left and the run goes on from its newest saved step. If fewer hosts than "
+            f"torchrun's --nnodes MIN remain, torchrun exits after its join_timeout (RendezvousTimeoutError): "
+            f"then submit the job again with a lower MIN, or once the hosts are back; it resumes from the last "
+            f"checkpoint")
+
+
 __all__ = ["STOPS_DIR", "begin", "note_step", "process_start", "write_stop", "read_stops", "clear_stops",
-           "change_seconds", "stopped_by", "sibling_pids", "kill_frozen_siblings", "report_frozen", "on_peer_lost"]
+           "change_seconds", "stopped_by", "sibling_pids", "kill_frozen_siblings", "report_frozen", "on_peer_lost",
+           "rendezvous_hint"]

@@ -479,3 +479,17 @@ def test_a_min_too_low_for_the_layout_is_named_with_the_min_that_works():
         elastic_launch.check_node_counts(cfg, 1, 3, 1, "job.toml")
     assert "with 1 node(s) = 1 ranks, but" in str(e.value) and str(e.value).endswith("[1]); or use --nodes 2:3")
     elastic_launch.check_node_counts(cfg, 2, 3, 1, "job.toml")  # no error
+
+
+def test_the_survivors_of_a_lost_host_are_told_the_fix_for_fewer_hosts_than_min():
+    """torchrun itself says only RendezvousTimeoutError, join_timeout after the loss: each survivor
+    host's local rank 0 says at the loss what happens and what to do if fewer than MIN remain."""
+    from meshtrain.train.elastic_world import rendezvous_hint
+
+    env = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    hint = rendezvous_hint(True, env)
+    assert hint is not None and "--nnodes MIN" in hint and "RendezvousTimeoutError" in hint and "lower MIN" in hint
+    assert rendezvous_hint(False, env) is None  # not elastic: the run stops
+    assert rendezvous_hint(True, {**env, "LOCAL_RANK": "1"}) is None  # once per host
+    assert rendezvous_hint(True, {**env, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restart to come
+    assert rendezvous_hint(True, {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"}) is None
