@@ -25,8 +25,8 @@ import json
 import time
 from typing import Any, Callable
 
-from ..errors import CollectiveMismatch, CollectiveTimeout
-from . import check_board, tune
+from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, MeshtrainError
+from . import check_board, liveness, tune
 from .algorithms import hierarchical, native, shm_direct
 from .algorithms.base import Ctx
 from .communicator import Group
@@ -118,6 +118,9 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             raise err from None
         except BaseException as exc:
             comm.monitor.end(entry, ctx.sent_bytes, exc)
+            named = named_peer_loss(g, name, seq, exc)
+            if named is not None:
+                raise named from exc
             raise
         comm.monitor.end(entry, ctx.sent_bytes)
         if timed:
@@ -192,6 +195,25 @@ def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Call
             raise _who_arrived(g, f"c/{g.gid}/{seq}", payload, exc) from None
         raise
     return result
+
+
+PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")
+"""What torch's gloo says when a peer's connection ends (a killed process, a lost host)."""
+
+
+def named_peer_loss(g: Group, name: str, seq: int, exc: BaseException) -> CollectiveError | None:
+    """A torch op that failed on a closed connection does not say whose: ask the heartbeats, up to
+    their loss bound (``liveness.STALE_S``), and name the lost rank in a ``CollectiveError``; None for
+    any other error, or without heartbeats (ranks as threads). Without it such a rank's log could end
+    (its exit follows its error within 3 s, ``launch.exit_within``) before the heartbeats named anyone."""
+    live = g.comm.liveness
+    text = str(exc)
+    if live is None or isinstance(exc, MeshtrainError) or not any(s in text for s in PEER_GONE):
+        return None
+    why = live.why(None, wait=liveness.STALE_S + liveness.PERIOD_S)
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return CollectiveError(f"{name} #{seq} on group {g.gid} (ranks {g.ranks}) failed: {first} -- "
+                           + (why or "no heartbeat said which peer ended it"))
 
 
 def _native_ahead(board: check_board.CheckBoard, seq: int, fp: int, what: str, deadline: float,

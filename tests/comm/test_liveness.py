@@ -90,3 +90,28 @@ def test_a_busy_rank_and_a_clean_shutdown_are_not_losses(store):
     time.sleep(3 * STALE)
     assert ms[0].lost is None and ms[0].why(1, wait=0) is None
     ms[0].stop()
+
+
+def test_a_torch_op_on_a_closed_connection_names_the_rank_the_heartbeats_lost():
+    """gloo says only "Connection closed by peer": the runner asks the heartbeats and names the
+    lost rank; other errors, and worlds without heartbeats, pass through unchanged."""
+    import types
+
+    from meshtrain.comm.runner import named_peer_loss
+    from meshtrain.errors import CollectiveError, ConfigError
+
+    asked = []
+
+    class Heartbeats:
+        def why(self, peer, wait):
+            asked.append(wait)
+            return "rank(s) [3] (host host1) lost: no heartbeat for 4s"
+
+    g = types.SimpleNamespace(comm=types.SimpleNamespace(liveness=Heartbeats()), gid="w", ranks=[0, 1, 2, 3])
+    err = named_peer_loss(g, "all_reduce", 7, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"))
+    assert isinstance(err, CollectiveError) and "all_reduce #7" in str(err) and "rank(s) [3]" in str(err)
+    assert "Connection closed by peer" in str(err) and asked and asked[0] >= 4.0
+    assert named_peer_loss(g, "all_reduce", 7, RuntimeError("unsupported dtype")) is None
+    assert named_peer_loss(g, "all_reduce", 7, ConfigError("Connection closed")) is None
+    g.comm.liveness = None
+    assert named_peer_loss(g, "all_reduce", 7, RuntimeError("Connection closed by peer")) is None
