@@ -36,21 +36,11 @@ import time
 from pathlib import Path
 
 from meshtrain.simhosts import SimulatedHosts, namespaces_unavailable
+from meshtrain.train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RDZV = {"last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 5}
 ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see meshtrain/train/elastic_launch.py
-
-
-def _rows(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def _config(args: argparse.Namespace) -> list[str]:
@@ -86,7 +76,7 @@ def undisturbed(args: argparse.Namespace) -> tuple[float, list[dict]]:
     took = time.monotonic() - start
     if codes != [0] * args.hosts:
         raise RuntimeError(f"the undisturbed run failed: {codes}\n{hosts.tails(2000)}")
-    return took, [r for r in _rows(out / "metrics.jsonl") if "event" not in r]
+    return took, [r for r in read_rows(out / "metrics.jsonl") if "event" not in r]
 
 
 def disturbed(args: argparse.Namespace, rng: random.Random) -> tuple[float, list[dict], list[dict]]:
@@ -94,7 +84,7 @@ def disturbed(args: argparse.Namespace, rng: random.Random) -> tuple[float, list
     metrics = out / "metrics.jsonl"
 
     def steps_after_events(n: int) -> int:
-        rows = _rows(metrics)
+        rows = read_rows(metrics)
         at = [i for i, r in enumerate(rows) if "event" in r]
         if n > len(at):
             return -1
@@ -122,7 +112,7 @@ def disturbed(args: argparse.Namespace, rng: random.Random) -> tuple[float, list
     took = time.monotonic() - start
     if codes != [0] * args.hosts:
         raise RuntimeError(f"the elastic run failed: {codes}\n{hosts.tails(2000)}")
-    rows = _rows(metrics)
+    rows = read_rows(metrics)
     return took, rows, kills
 
 

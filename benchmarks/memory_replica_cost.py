@@ -1,6 +1,6 @@
 """What the in-memory replicas of an elastic run cost per step (not in CI).
 
-    sudo .venv/bin/python benchmarks/memory_replica_cost.py --steps 60 --repeats 2
+    .venv/bin/python benchmarks/memory_replica_cost.py --steps 60 --repeats 2   # as root
 
 The job of tests/hosts/test_elastic_hosts.py, undisturbed: 3 simulated hosts x 2 ranks
 (``meshtrain.simhosts``: own hostname and /dev/shm each, one torchrun agent each), the test model,
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from meshtrain.simhosts import SimulatedHosts, namespaces_unavailable
+from meshtrain.train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see meshtrain/train/elastic_launch.py
@@ -48,7 +49,7 @@ def run(out: Path, steps: int, every: int) -> dict:
             raise RuntimeError(f"the run failed: {codes}\n{hosts.tails(2000)}")
         left = [hosts.shm_left(k) for k in range(3)]
     summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out / "metrics.jsonl")
     got = {"wall_s": time.monotonic() - start, "loop_s_per_step": summary["seconds"] / steps,
            "step_s": statistics.median(r["step_s"] for r in rows if "step_s" in r), "shm_left": left}
     mem = summary.get("memory_replicas")

@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+from meshtrain.train.metrics import read_rows
 
 
 def _workers(pid: int) -> list[int]:
@@ -49,7 +47,7 @@ def run(out: Path, steps: int, every: int, kills: int, extra: list[str], seed: i
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = []
     while proc.poll() is None:
-        rows = _rows(out / "metrics.jsonl") if targets else []
+        rows = read_rows(out / "metrics.jsonl") if targets else []
         if rows:
             last = rows[-1]["step"]
             if last >= targets[0]:  # the run has logged the target step: kill a worker now
@@ -62,7 +60,7 @@ def run(out: Path, steps: int, every: int, kills: int, extra: list[str], seed: i
         time.sleep(0.2)
     log = proc.communicate()[0]
     return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "kills": killed,
-            "rows": _rows(out / "metrics.jsonl"), "log_tail": log[-2000:]}
+            "rows": read_rows(out / "metrics.jsonl"), "log_tail": log[-2000:]}
 
 
 def main() -> int:

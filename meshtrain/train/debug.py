@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import comm
+from .metrics import read_rows
 
 FLIGHT_DIR = "flight"
 
@@ -88,7 +89,7 @@ def world_changes(run_dir: str | Path, restarts: bool = False) -> list[dict[str,
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: pass the run directory of a `meshtrain train` run")
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    rows = read_rows(path)
     kinds = ("world_change", "restart") if restarts else ("world_change",)
     return [r for r in rows if r.get("event") in kinds]
 

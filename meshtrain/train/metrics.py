@@ -158,6 +158,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resident_peak_bytes()
 
 
+def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (steps and events), in order; [] if there is none yet. A line
+    that does not parse is skipped: one a killed rank 0 left half-written, or one being written now."""
+    rows = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in Path(path).read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return rows
+
+
 class MetricsLogger:
     """Rank 0's record of a run: ``metrics.jsonl`` (one object per step), TensorBoard events
     beside it, and a tqdm progress bar (step, loss, tokens/s, MFU, ETA)."""

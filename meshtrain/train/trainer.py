@@ -8,7 +8,6 @@ world size is dp·pp·cp·tp. Every rank reads the same global batch; the model 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import sys
@@ -36,7 +35,7 @@ from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .moe_metrics import moe_record, plot_load_balance
 from .metrics import (MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plan_check, plan_check_line,
-                      plot_loss)
+                      plot_loss, read_rows)
 from .step import StepResult, apply_step, measure_step
 from .tokenizer import prepare_data
 
@@ -255,14 +254,7 @@ def _elastic_row(config: Config, run_dir: Path, saved: dict[str, Any], step: int
     old = elastic.layout_of_checkpoint(saved)
     new = degrees_of(config.parallel)
     stops = elastic_world.read_stops(run_dir)
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line a killed rank 0 left half-written
-                continue
+    rows = read_rows(run_dir / "metrics.jsonl")  # a line a killed rank 0 left half-written is skipped
     # wall clock: the stop marks come from other processes. A worker process counts from its own
     # start (imports and process group included); ranks as threads from the trainer's.
     wall = time.time() - time.perf_counter()

@@ -28,7 +28,6 @@ so a failure that fell back to disk would replay every step since the previous c
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -41,6 +40,7 @@ import pytest
 from meshtrain.cli import main
 from meshtrain.simhosts import SimulatedHosts
 from meshtrain.train.debug import describe_world_change, world_changes
+from meshtrain.train.metrics import read_rows
 
 from ._util import ROOT, skip_without_namespaces
 
@@ -61,17 +61,6 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
              # must join it before it has finished the run
              "MESHTRAIN_TEST_STEP_DELAY": "0.5", "MESHTRAIN_TEST_DELAY_WORLD": "4"}
 LOST_BOUND_S = 10.0  # a dead rank's: every host stops within it (test_kill_across_hosts)
-
-
-def _rows(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # caught half-written
-                pass
-    return out
 
 
 def _env_of(pid: int) -> dict[str, str]:
@@ -98,13 +87,13 @@ def test_a_frozen_worker_a_lost_host_and_its_return_lose_no_sample(tmp_path):
               "--elastic.enabled=true", *COMMON]
 
     def steps() -> list[dict]:
-        return [r for r in _rows(metrics) if "event" not in r]
+        return [r for r in read_rows(metrics) if "event" not in r]
 
     def events() -> list[dict]:
-        return [r for r in _rows(metrics) if "event" in r]
+        return [r for r in read_rows(metrics) if "event" in r]
 
     def steps_since_event(n: int) -> int:  # step rows logged after the n-th event row
-        rows = _rows(metrics)
+        rows = read_rows(metrics)
         at = [i for i, r in enumerate(rows) if "event" in r]
         return len([r for r in rows[at[n - 1] + 1:] if "event" not in r]) if len(at) >= n else -1
 
@@ -133,7 +122,7 @@ def test_a_frozen_worker_a_lost_host_and_its_return_lose_no_sample(tmp_path):
             assert hosts.shm_left(k) == [], (k, hosts.shm_left(k))
         logs = [hosts.log(k) for k in range(3)]
 
-    rows = _rows(metrics)
+    rows = read_rows(metrics)
     marks = [i for i, r in enumerate(rows) if "event" in r]
     restart, shrink, grow = (rows[i] for i in marks)
     assert [e["event"] for e in (restart, shrink, grow)] == ["restart", "world_change", "world_change"], seed
@@ -172,7 +161,7 @@ def test_a_frozen_worker_a_lost_host_and_its_return_lose_no_sample(tmp_path):
     ref = tmp_path / "ref"
     assert main(["train", f"--out={ref}", "--comm.transport=local", "--no-progress", f"--train.steps={STEPS}",
                  *COMMON]) == 0
-    want = {r["step"]: r for r in _rows(ref / "metrics.jsonl")}
+    want = {r["step"]: r for r in read_rows(ref / "metrics.jsonl")}
     final = {r["step"]: r for r in rows if "event" not in r}
     assert sorted(final) == list(range(1, STEPS + 1)), seed
     assert [final[s]["samples"] for s in sorted(final)] == [want[s]["samples"] for s in sorted(want)]

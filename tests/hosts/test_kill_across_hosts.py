@@ -14,7 +14,6 @@ worker, a lost host, a host back) are test_elastic_hosts.py's.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ import pytest
 
 from meshtrain.cli import main
 from meshtrain.simhosts import SimulatedHosts
+from meshtrain.train.metrics import read_rows
 
 from ._util import ROOT, skip_without_namespaces
 
@@ -33,10 +33,6 @@ COMMON = ["--checkpoint.every=2", "--model.preset=test", "--data.max_bytes=30000
           "--train.global_batch=4", "--train.seq_len=32", "--train.warmup_steps=2", "--comm.timeout_s=300",
           "--train.lr=0.001", "--train.min_lr=0.001"]  # a flat schedule: runs of other lengths agree step by step
 STEPS = 200  # far more than run before the kill: the run must still be training when it lands
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _alive(pid: int) -> bool:
@@ -56,7 +52,7 @@ def _train_until_killed(tmp_path: Path, what: str) -> tuple[SimulatedHosts, Path
               "--parallel.tp=2", *COMMON]
     hosts = SimulatedHosts(2, 2, worker, tmp_path / "hosts", cwd=ROOT)
     deadline = time.monotonic() + 150
-    while len(_rows(out / "metrics.jsonl")) < 5:
+    while len(read_rows(out / "metrics.jsonl")) < 5:
         assert time.monotonic() < deadline and all(p.poll() is None for p in hosts._procs), hosts.tails()
         time.sleep(0.1)
     node = hosts.node_rank(1)
@@ -95,15 +91,15 @@ def test_every_host_stops_within_10s_of_a_kill_naming_the_lost_rank(tmp_path, wh
     if what != "worker":
         return
     # Resume the killed run on one host (threads) under another layout: dp1 x tp2.
-    done = _rows(out / "metrics.jsonl")
+    done = read_rows(out / "metrics.jsonl")
     assert main(["train", f"--out={out}", "--checkpoint.resume=auto", "--comm.transport=local", "--no-progress",
                  "--parallel.dp=1", "--parallel.tp=2", f"--train.steps={len(done) + 2}", *COMMON]) == 0
-    rows = _rows(out / "metrics.jsonl")
+    rows = read_rows(out / "metrics.jsonl")
     resumed = rows[len(done):]
     first = resumed[0]["step"]
     assert first % 2 == 1 and first <= len(done) + 1, [r["step"] for r in rows]  # right after a checkpoint
     ref = tmp_path / "ref"
     assert main(["train", f"--out={ref}", "--comm.transport=local", "--no-progress", "--parallel.dp=2",
                  "--parallel.tp=2", f"--train.steps={first}", *COMMON]) == 0
-    want = _rows(ref / "metrics.jsonl")[first - 1]
+    want = read_rows(ref / "metrics.jsonl")[first - 1]
     assert want["step"] == first and math.isclose(resumed[0]["loss"], want["loss"], rel_tol=1e-5), (resumed[0], want)

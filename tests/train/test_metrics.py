@@ -20,3 +20,12 @@ def test_cpu_peak_is_measured_once_and_kept_at_its_highest(tmp_path, monkeypatch
 
     monkeypatch.setattr(metrics, "measure_cpu_peak", must_not_measure)
     assert metrics.device_peak(cpu, refresh=False) == 5e10
+
+
+def test_read_rows_skips_a_half_written_line_and_reads_no_file_as_none(tmp_path):
+    from meshtrain.train.metrics import read_rows
+
+    path = tmp_path / "metrics.jsonl"
+    assert read_rows(path) == []
+    path.write_text('{"step": 1, "loss": 2.5}\n{"event": "world_change", "step": 1}\n{"step": 2, "lo')
+    assert read_rows(path) == [{"step": 1, "loss": 2.5}, {"event": "world_change", "step": 1}]
