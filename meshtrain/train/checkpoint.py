@@ -30,10 +30,11 @@ from .checkpoint_io import (FORMAT, LATEST, METADATA, STEP_RE, VERSION, Box, Che
                             to_json, write_durable, write_rank_shard)
 from .checkpoint_state import ModelState, OptimizerState, ShardedTensor
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "agree_or_raise", "collect_pieces", "checkpoint_meta",
+           "commit_shards"]
 
 
-def _agree(model: ParallelModel, exc: BaseException | None, what: str) -> None:
+def agree_or_raise(model: ParallelModel, exc: BaseException | None, what: str) -> None:
     """Collective: if any rank failed, every rank raises — the failing ranks their own error, the
     others the first failing rank's message — so no rank goes on (or hangs) alone."""
     world = model.mesh.comm.world
@@ -127,7 +128,7 @@ class PendingSave:
         """Write this rank's shard file and sidecar; an error is kept for ``finish`` to share."""
         try:
             write_rank_shard(self.tmp, self.model.mesh.comm.rank, self.tensors, self.scalars)
-        except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see agree_or_raise)
             self.error = exc
         self.tensors = None  # the snapshot's memory goes as soon as it is on disk
 
@@ -135,14 +136,14 @@ class PendingSave:
         """Agree that every shard is durable, commit on rank 0, agree again; returns the step dir."""
         model, rank, err = self.model, self.model.mesh.comm.rank, self.error
         try:
-            _agree(model, err, "checkpoint save")  # doubles as the barrier before the commit
+            agree_or_raise(model, err, "checkpoint save")  # doubles as the barrier before the commit
             try:
                 if rank == 0:
                     _commit(self.root, self.tmp, self.final, self.step, model, self.has_optimizer, self.groups,
                             self.extra_json, self.keep)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
-            _agree(model, err, "checkpoint commit")  # and as the barrier after it
+            agree_or_raise(model, err, "checkpoint commit")  # and as the barrier after it
         except CheckpointError:
             if rank == 0:  # never leave a partial directory behind (loading would ignore it anyway)
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -169,10 +170,10 @@ def begin_save(root: str, step: int, model: ParallelModel, optimizer: ParallelOp
             if os.path.exists(tmp):  # left by a save that crashed at this step
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
-    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see agree_or_raise)
         err = exc
     try:
-        _agree(model, err, "checkpoint save")
+        agree_or_raise(model, err, "checkpoint save")
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -393,10 +394,10 @@ def load_checkpoint(path_or_root: str, model: ParallelModel, optimizer: Parallel
     load: _Load | None = None
     try:
         load = _Load(_resolve(path_or_root), model, optimizer, verify)
-    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see agree_or_raise)
         err = exc
     try:
-        _agree(model, err, "checkpoint load")
+        agree_or_raise(model, err, "checkpoint load")
     except CheckpointError:
         if load is not None:
             load.reader.close()
@@ -406,6 +407,6 @@ def load_checkpoint(path_or_root: str, model: ParallelModel, optimizer: Parallel
         load.run()
     except BaseException as exc:  # noqa: BLE001
         err = exc
-    _agree(model, err, "checkpoint load")
+    agree_or_raise(model, err, "checkpoint load")
     load.finish()
     return load.extra

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import CheckpointError
-from .checkpoint import _agree, checkpoint_meta, collect_pieces, commit_shards, latest_checkpoint
+from .checkpoint import agree_or_raise, checkpoint_meta, collect_pieces, commit_shards, latest_checkpoint
 from .checkpoint_io import STEP_RE, step_dir_name, to_json, write_durable, write_rank_shard
 
 PREFIX = "meshtrain-mem-"
@@ -240,7 +240,7 @@ class MemoryReplicas:
             try:
                 self._materialise(str(ckpt_root), choice, keep)
                 self.restored = choice["step"]
-            except CheckpointError as exc:  # raised on every rank alike (_agree): all go to disk
+            except CheckpointError as exc:  # raised on every rank alike (agree_or_raise): all go to disk
                 if self.rank == 0:
                     shutil.rmtree(os.path.join(ckpt_root, step_dir_name(choice["step"])) + ".tmp", ignore_errors=True)
                     print(f"meshtrain: the in-memory replicas of step {choice['step']} could not be used ({exc}); "
@@ -263,15 +263,15 @@ class MemoryReplicas:
                 os.makedirs(tmp)
         except OSError as exc:
             err = exc
-        _agree(self.model, err, "restore from memory")
+        agree_or_raise(self.model, err, "restore from memory")
         try:
             for old in [o for o, new in by.items() if new == self.rank]:
                 src = self.dir / choice["gen"] / step_dir_name(step) / f"rank-{old:05d}"
                 for name in os.listdir(src):  # the meta goes beside the shards, read by rank 0 below
                     _copy_durable(src / name, os.path.join(tmp, "replica-" + name if name == META else name))
-        except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see _agree)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (see agree_or_raise)
             err = exc
-        _agree(self.model, err, "restore from memory")
+        agree_or_raise(self.model, err, "restore from memory")
         try:
             if self.rank == 0:
                 meta_path = os.path.join(tmp, "replica-" + META)
@@ -280,7 +280,7 @@ class MemoryReplicas:
                 commit_shards(root, tmp, final, meta, keep)
         except BaseException as exc:  # noqa: BLE001
             err = exc
-        _agree(self.model, err, "restore from memory")
+        agree_or_raise(self.model, err, "restore from memory")
 
     # -- training --------------------------------------------------------------------------------
 
