@@ -4,7 +4,7 @@
 * shm transport: auto's time against the best fixed algorithm (least median over the runs), each run
   against the same run's time of that algorithm.
 
-    python benchmarks/auto_table.py RUNS WORLDS OPS SIZES [OUT.json]
+    python benchmarks/auto_table.py RUNS WORLDS OPS SIZES [OUT.json] [--transports=torch,shm]
     python benchmarks/auto_table.py 3 2,4 all_reduce,all_gather,reduce_scatter 4K:64M
 
 Each run is one ``meshtrain bench comm`` per transport and op (fresh processes, an empty calibration
@@ -38,18 +38,28 @@ def _bench(transport: str, worlds: str, op: str, algos: list[str], sizes: str, o
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        sys.stdout.write("".join(line + "\n" for line in r.stdout.splitlines() if line.startswith(("  all_", "  reduce_", "# auto"))))
+        # what auto kept and why, and each size's ratio line, as each bench ends: a table cut short
+        # by a time limit still leaves its finished runs' figures
+        sys.stdout.write("".join(line + "\n" for line in r.stdout.splitlines()
+                                 if line.startswith(("  all_", "  reduce_", "# auto")) or ":auto" in line))
+        sys.stdout.flush()
     return json.loads(out.read_text())["records"]
 
 
 def main(argv: list[str]) -> int:
     """Run the table; returns the exit code."""
+    transports = ("torch", "shm")
+    for a in [a for a in argv if a.startswith("--transports=")]:
+        argv.remove(a)
+        transports = tuple(a.split("=", 1)[1].split(","))
     runs, worlds, ops, sizes = int(argv[0]), argv[1], argv[2].split(","), argv[3]
     times: dict[tuple, list[float]] = defaultdict(list)  # (transport, op, p, size, algorithm) -> per run
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(runs):
             for op in ops:
                 for tr, algos in (("torch", ["auto", "native"]), ("shm", ["auto", *OPS_FIXED[op]])):
+                    if tr not in transports:
+                        continue
                     for r in _bench(tr, worlds, op, algos, sizes, Path(tmp) / "b.json"):
                         times[tr, op, r["world_size"], r["size"], r["algorithm"]].append(r["time_us"])
             print(f"# run {run + 1} of {runs} done", flush=True)
