@@ -7,6 +7,12 @@ compute dtype) holds the parameters as views. For ZeRO-3 it exists only between 
 ``free``: freeing resizes its storage to zero, so the views and the tensors that autograd saved
 stay valid and see the data again after the next gather. With CPU offload (``offload.py``) the
 master lives in host memory and ``grad``, the shard gradient, stays on the compute device.
+
+ZeRO-1/2 in fp32 keep ``full`` allocated, so there the master is not a copy but ``full``'s own
+slice: the optimizer updates the parameters in place, and the all-gather that refreshes ``full``
+takes its input from the output's own block (every ``meshtrain.comm`` all-gather runs in place).
+ZeRO-1 keeps the full gradient buffer too, and with fp32 reductions the shard gradient is that
+buffer's own slice (``grad_in_full``). Half-precision ``full``, offload and ZeRO-3 keep copies.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ class FlatUnit:
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], group: Group,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, *,
                  replicas: Group | None = None, scale: float = 1.0, view: str | None = None,
-                 offload: str = "none") -> None:
+                 offload: str = "none", stage: int = 3) -> None:
+        """``stage``: the ZeRO stage; 1 and 2 never free ``full`` (module docstring)."""
         self.index = index
         self.group = group
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
@@ -59,13 +66,21 @@ class FlatUnit:
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
                 flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        shard = flat[self.lo : self.lo + self.shard_size].clone()
+        in_place = stage < 3 and offload == "none" and self.param_dtype == torch.float32
+        self.master_in_full = in_place
+        """The master is ``full``'s own slice, not a copy (ZeRO-1/2, fp32 compute, no offload)."""
+        self.grad_in_full = in_place and stage == 1 and self.reduce_dtype == torch.float32
+        """The shard gradient is ``grad_full``'s own slice, not a separate buffer (ZeRO-1, fp32)."""
+        shard = flat[self.lo : self.lo + self.shard_size]
+        if not in_place:
+            shard = shard.clone()
         self.offload = UnitOffload(offload, self.device, self.param_dtype) if offload != "none" else None
         """CPU offload's host side of this unit (None: everything on the compute device)."""
         self.master = nn.Parameter(self.offload.host_master(shard) if self.offload else shard)
         self.full = flat.to(self.param_dtype) if self.param_dtype != torch.float32 else flat
         self._bind()
         self.grad_full: torch.Tensor | None = None
+        self._held: torch.Tensor | None = None  # grad_in_full: the shard gradient set aside during a backward
         self.ready: set[int] = set()
         self.gathered = True
         self._pending: Work | None = None
@@ -80,8 +95,24 @@ class FlatUnit:
     def grad(self, value: torch.Tensor | None) -> None:
         if self.offload is not None:
             self.offload.grad = value
+        elif self.grad_in_full:  # the values go into grad_full's own slice, which stays zero while None
+            if value is None:
+                if self.grad_full is not None:
+                    self._own_grad().zero_()
+                self.master.grad = None
+            else:
+                own = self._own_grad()
+                if value.data_ptr() != own.data_ptr():
+                    own.copy_(value)
+                self.master.grad = own
         else:
             self.master.grad = value
+
+    def _own_grad(self) -> torch.Tensor:
+        """``grad_full``'s slice of this rank's shard (allocating the buffer if needed)."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        return self.grad_full[self.lo : self.lo + self.shard_size]
 
     def _bind(self) -> None:
         """Point every parameter at its slice of ``full``."""
@@ -92,6 +123,8 @@ class FlatUnit:
 
     def free(self) -> None:
         """Release the full parameters' memory (ZeRO-3); the views stay valid for the next gather."""
+        if self.master_in_full:
+            raise RuntimeError("FlatUnit.free: the master shard is a slice of the full parameters (ZeRO-1/2)")
         if self._pending is not None:  # a prefetch still writes into the buffer: let it land first
             self.wait_gathered()
         if self.gathered and self.padded:
@@ -102,7 +135,12 @@ class FlatUnit:
         """All-gather every rank's shard into ``full`` (in the compute dtype)."""
         if self.gathered or self._pending is not None:
             return self._pending
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        # resize only what ``free`` released: in ZeRO-1/2 the master is ``full``'s slice, and a
+        # checkpoint writing it through ``.numpy()`` makes the storage's size fixed
+        nbytes = self.padded * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+        # (master_in_full: the input is the output's own block, which the all-gather leaves as it is)
         shard = self.offload.compute_shard(self.master) if self.offload else self.master.detach().to(self.param_dtype)
         work = comm.all_gather_into_tensor(self.full, shard, group=self.group, async_op=async_op)
         if async_op:
@@ -157,6 +195,12 @@ class FlatUnit:
         """Accumulate parameter ``i``'s gradient into the unit's full gradient buffer."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        if self.grad_in_full and not self.ready and self.master.grad is not None:
+            # accumulation: this backward's local gradients must not add to the shard gradient the
+            # reduce-scatter would then average too; hold it aside until the reduction is done
+            own = self._own_grad()
+            self._held = own.clone()
+            own.zero_()
         off = self.offsets[i]
         self.grad_full[off : off + grad.numel()].add_(grad.reshape(-1))
         self.ready.add(i)
@@ -170,6 +214,8 @@ class FlatUnit:
         it is added to ``grad`` and the full gradient buffer is zeroed (``keep_full``,
         ZeRO-1) or dropped (ZeRO-2/3). Issued from the calling thread, so every rank orders its
         collectives identically."""
+        if self.grad_in_full and not keep_full:
+            raise ValueError("FlatUnit.reduce_scatter: a unit whose shard gradient lives in grad_full keeps it")
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         full = self.grad_full
@@ -196,6 +242,16 @@ class FlatUnit:
             g = result()
             if self.scale != 1.0:
                 g.mul_(self.scale)
+            if self.grad_in_full:  # own slice = g (+ what was held: the same sum as grad.add_(g))
+                lo, hi = self.lo, self.lo + size
+                own = full[lo:hi].copy_(g)
+                if self._held is not None:
+                    own.add_(self._held)
+                    self._held = None
+                full[:lo].zero_()
+                full[hi:].zero_()
+                self.master.grad = own
+                return
             if self.grad is None:
                 self.grad = g
             else:

@@ -117,7 +117,8 @@ class ZeroModel(nn.Module):
                 rg = rg_of[id(members[0][1])]
                 dtype = torch.float32 if keep_fp32 else self.mp.param_dtype
                 made.append(FlatUnit(len(self.units), members, rg.group, dtype, self.mp.reduce_dtype,
-                                     replicas=rg.replicas, scale=rg.scale, view=rg.view, offload=offload))
+                                     replicas=rg.replicas, scale=rg.scale, view=rg.view, offload=offload,
+                                     stage=stage))
                 self.units.append(made[-1])
             if made:
                 if slot:
