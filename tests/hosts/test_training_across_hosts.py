@@ -5,17 +5,24 @@ Tolerance: bitwise where every cross-rank sum of the layout has 2 terms (a + b =
 point, whatever algorithm either transport picks); within 1e-5 relative otherwise, where 4-term sums
 are added in the order of the algorithm each transport's ``auto`` picks (as test_trainer allows
 between layouts).
+
+Every layout runs in one launch of the hosts (``_layouts_worker``: ``python -m meshtrain.train``'s
+entry point once per layout, each in a process of its own forked after the imports): starting the
+hosts' 6 interpreters costs more than a layout's run, and a launch per layout cost 11-16 s each.
+Each layout keeps its own test, its own run directories and its own exit codes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from meshtrain.cli import main
+from meshtrain.simhosts import SimulatedHosts
 
-from ._util import run_hosts, skip_without_namespaces
+from ._util import ROOT, skip_without_namespaces
 
 STEPS = 4
 COMMON = ["--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512", "--train.global_batch=4",
@@ -28,23 +35,51 @@ LAYOUTS = {
     "zero3-dp4": (["--parallel.dp=4", "--parallel.tp=1", "--parallel.zero_stage=3"], False),
     "cp2xdp2": (["--parallel.dp=2", "--parallel.tp=1", "--parallel.cp=2"], False),  # grads summed over dp x cp
 }
+RANKS = 4
 
 
 def _metrics(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_across_two_hosts_matches_one_host(layout, tmp_path):
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """Every layout's one-host reference, then every layout across the hosts in one launch; the
+    hosts' exit codes, each host's log and /dev/shm leftovers. Asserts nothing: each test judges its
+    own layout."""
     skip_without_namespaces()
+    d = tmp_path_factory.mktemp("layouts")
+    phases: list[str] = []
+    for name, (overrides, _) in LAYOUTS.items():
+        # The one-host reference first: it also builds the tokenizer and token caches the hosts then read.
+        assert main(["train", f"--out={d / name / 'one'}", "--comm.transport=local", "--no-progress",
+                     *COMMON, *overrides]) == 0
+        phases += [*(["--then"] if phases else []), name, "--out", str(d / name / "hosts-run"),
+                   "--comm.transport=auto", "--comm.timeout_s=30", *COMMON, *overrides]
+    with SimulatedHosts(2, 2, [str(ROOT / "tests" / "hosts" / "_layouts_worker.py"), *phases], d / "hosts",
+                        cwd=ROOT) as hosts:
+        codes = hosts.wait(230)
+        shm = [hosts.shm_left(k) for k in range(hosts.n)]
+    return d, codes, [hosts.log(k) for k in range(hosts.n)], shm
+
+
+@pytest.mark.timeout(300)  # the first test's includes the module's launch (every layout's)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_across_two_hosts_matches_one_host(layout, launch):
+    d, codes, logs, shm = launch
     overrides, bitwise = LAYOUTS[layout]
-    # The one-host reference first: it also builds the tokenizer and token caches the hosts then read.
-    assert main(["train", f"--out={tmp_path / 'one'}", "--comm.transport=local", "--no-progress",
-                 *COMMON, *overrides]) == 0
-    run_hosts(tmp_path, (2, 2), ["-m", "meshtrain.train", "--out", str(tmp_path / "hosts-run"),
-                                 "--comm.transport=auto", "--comm.timeout_s=30", *COMMON, *overrides], timeout=170)
-    want, got = _metrics(tmp_path / "one"), _metrics(tmp_path / "hosts-run")
+    exits = [int(m) for log in logs for m in re.findall(rf"^layout {re.escape(layout)}: rank \d+ exit (-?\d+)$",
+                                                          log, re.M)]
+    if exits != [0] * RANKS:
+        lines = [ln for log in logs for ln in log.splitlines()
+                 if re.match(r"(FAIL|ERROR|layout )|meshtrain\.train: error|\S*Error:", ln)]
+        tails = "\n".join(f"----- host{k} -----\n{log[-2500:]}" for k, log in enumerate(logs))
+        pytest.fail(f"{layout}: the ranks' exit codes {exits}; the workers said:\n" + "\n".join(lines[:40])
+                    + f"\n\n{tails}", pytrace=False)
+    assert codes == [0, 0], f"the hosts exited {codes} (the worker exits 0 once every layout has run)"
+    for k, left in enumerate(shm):
+        assert left == [], f"host{k} left {left} in its /dev/shm"
+    want, got = _metrics(d / layout / "one"), _metrics(d / layout / "hosts-run")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["samples"] for r in got] == [r["samples"] for r in want]
     if bitwise:
