@@ -4,12 +4,14 @@ loadable, ``latest`` points at it, and resuming from it gives the uninterrupted 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
 
+from meshtrain import worker_processes
 from meshtrain.cli import main
 from meshtrain.train.checkpoint import latest_checkpoint
 
@@ -25,6 +27,17 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def _drive(point: str, args: list[str], log: str) -> None:
+    """``python _kill_mid_save.py POINT ARGS...``, its output to ``log``: run in a process forked
+    from the suite's worker server (worker_processes, torch preloaded), not a new interpreter that
+    would import torch again (3-4 s of the test's ~10), and killed by the driver all the same."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.argv = [str(DRIVER), point, *args]
+    runpy.run_path(str(DRIVER), run_name="__main__")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     out = tmp_path_factory.mktemp("ref") / "run"
@@ -38,8 +51,14 @@ def reference(tmp_path_factory) -> dict[int, float]:
 def test_writer_killed_mid_save_keeps_the_previous_checkpoint(tmp_path, reference, point, async_save):
     out = tmp_path / "run"
     args = [f"--out={out}", *ARGS, f"--checkpoint.async_save={str(async_save).lower()}"]
-    proc = subprocess.run([sys.executable, str(DRIVER), point, *args], capture_output=True, text=True, timeout=150)
-    assert proc.returncode == -9, proc.stderr[-3000:]  # it really died in the save, by SIGKILL
+    log = tmp_path / "driver.log"
+    proc = worker_processes.start(_drive, (point, args, str(log)))
+    proc.join(150)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+        pytest.fail(f"the driver still ran after 150 s\n{log.read_text()[-3000:]}")
+    assert proc.exitcode == -9, log.read_text()[-3000:]  # it really died in the save, by SIGKILL
     root = out / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000002"
     assert latest_checkpoint(str(root)) == str(root / "step-00000002")
