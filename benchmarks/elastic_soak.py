@@ -35,7 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.simhosts import SimulatedHosts, namespaces_unavailable
+from _simhosts_out import output_dir  # benchmarks/, the script's own folder
+
+from meshtrain.simhosts import SimulatedHosts
 from meshtrain.train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,12 +164,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/elastic-soak"))
     args = p.parse_args()
-    reason = namespaces_unavailable()
-    if reason:
-        print(f"elastic_soak: {reason}", file=sys.stderr)
-        return 2
-    args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = output_dir(args.out, "elastic_soak")
     os.environ.setdefault("MESHTRAIN_CACHE_DIR", str(args.out / "cache"))
     from meshtrain.train.config import load_config
     from meshtrain.train.tokenizer import prepare_data

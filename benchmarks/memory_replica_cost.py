@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.simhosts import SimulatedHosts, namespaces_unavailable
+from _simhosts_out import output_dir  # benchmarks/, the script's own folder
+
+from meshtrain.simhosts import SimulatedHosts
 from meshtrain.train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +67,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("runs/memory-replica-cost"))
     args = p.parse_args()
-    reason = namespaces_unavailable()
-    if reason:
-        print(f"memory_replica_cost: {reason}", file=sys.stderr)
-        return 2
-    args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = output_dir(args.out, "memory_replica_cost")
     from meshtrain.train.config import load_config
     from meshtrain.train.tokenizer import prepare_data
 
