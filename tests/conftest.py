@@ -21,7 +21,7 @@ os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["MESHTRAIN_CAC
 
 # Byte-compile meshtrain and the tests' worker modules once: the suite starts a few hundred fresh
 # interpreters (torchrun's workers and agents, CLI subprocesses, simulated hosts and Slurm jobs), and
-# where PYTHONDONTWRITEBYTECODE is set (as on CI's machines) none of them writes a .pyc, so each
+# where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) none of them writes a .pyc, so each
 # recompiled every module it imported (~0.4 s an interpreter that imports the trainer).
 # compileall writes them whatever that setting, and skips those up to date.
 import compileall  # noqa: E402
