@@ -91,6 +91,11 @@ class Layout:
     9dec370: ``repeat_kv`` before ``F.scaled_dot_product_attention``), so ring attention moves and merges
     full-width K/V, and the repeat copies them once a block. meshtrain passes the kv heads (its ring
     sends them as they are). For pricing a peer's run."""
+    loss_compiled: bool = False
+    """The cross-entropy under ``torch.compile`` (torchtitan's ``build_cross_entropy_loss`` with
+    ``--training.compile``, e7c0cae; at 9dec370 it was commented out): the up-cast and the log-softmax
+    fuse into the loss's kernels, so only the logits and their gradient are held (``memory.
+    loss_bytes_per_vocab``). meshtrain's loss runs eagerly. Memory only; for pricing a peer's run."""
     fsdp_pp: bool = False
     """PyTorch FSDP2 under a pipeline (torch.distributed.pipelining, torchtitan): the stage's unsharded
     weights and its unsharded fp32 gradients are kept across micro-batches and reduce-scattered once at
@@ -164,6 +169,8 @@ class Layout:
             parts.append(f"attn={self.attn_kernel}")
         if self.kv_repeat:
             parts.append("kvrep=1")
+        if self.loss_compiled:
+            parts.append("closs=1")
         if self.fsdp_pp and self.zero_stage == 3 and self.pp > 1:
             parts.append("fsdp=1")
         parts += [f"zero={self.zero_stage}"] + ([f"offload={self.offload}"] if self.offload != "none" else [])
@@ -178,9 +185,9 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven",
          "atp": "async_tp", "async_tp": "async_tp", "cpag": "cp_allgather", "cp_allgather": "cp_allgather",
          "attn": "attn_kernel", "attn_kernel": "attn_kernel", "fsdp": "fsdp_pp", "fsdp_pp": "fsdp_pp",
-         "kvrep": "kv_repeat", "kv_repeat": "kv_repeat"}
+         "kvrep": "kv_repeat", "kv_repeat": "kv_repeat", "closs": "loss_compiled", "loss_compiled": "loss_compiled"}
 _FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "cp_allgather", "fsdp_pp",
-          "kv_repeat")
+          "kv_repeat", "loss_compiled")
 """Layout fields written 1 or 0 (true/false, on/off)."""
 
 MAX_GPUS = 1 << 20

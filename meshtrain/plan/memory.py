@@ -104,13 +104,17 @@ def op_kept_bytes_per_token(arch: Arch, layout: Layout) -> float:
     return (stream + arch.o_dim / tp + sum(widths[0::2])) * ACT_BYTES[layout.precision]
 
 
-def loss_bytes_per_vocab(precision: str) -> float:
+def loss_bytes_per_vocab(precision: str, compiled: bool = False) -> float:
     """Bytes per token and vocabulary entry (of this rank's tp share) live at the loss's peak, the start
     of backward: with bf16 (or fp8) compute the logits come out in bf16 and are up-cast for the
     cross-entropy, whose log-softmax output (fp32) is saved; its backward then holds that output, the
     incoming gradient and the input gradient (fp32 each) while the bf16 gradient is written: 2 + 3 x 4 =
-    14. fp32: the logits and their gradient, 8 (as validated on this host's runs)."""
-    return 8.0 if precision == "fp32" else 2.0 + 3 * 4.0
+    14. fp32: the logits and their gradient, 8 (as validated on this host's runs). A compiled loss
+    (``Layout.loss_compiled``) fuses the up-cast, the log-softmax and its backward: it saves the logits
+    (and a per-token log-sum-exp) and writes their gradient from them in one kernel, 2 + 2 = 4 at bf16."""
+    if precision == "fp32":
+        return 8.0
+    return 4.0 if compiled else 2.0 + 3 * 4.0
 
 
 def block_input_bytes_per_token(arch: Arch, layout: Layout) -> float:
@@ -134,9 +138,11 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, v: int) -> float:
     return peak_in_flight(built_schedule(schedule, pp, m, v)[0]) / v
 
 
-def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) -> float:
+def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int, held_grad: float = 0.0) -> float:
     """Activation bytes at the rank's peak: stored blocks for the micro-batches in flight, one block
-    being recomputed (checkpointing), and the loss on the last stage (``loss_bytes_per_vocab``)."""
+    being recomputed (checkpointing), and the loss on the last stage (``loss_bytes_per_vocab``) or,
+    where larger, ``held_grad``: a gradient that lives from the head's backward on (ZeRO-3's root unit,
+    ``root_gradient_bytes``), after the loss's temporaries are freed, so one or the other."""
     tokens = microbatch_seqs * seq / layout.cp
     inp = block_input_bytes_per_token(arch, layout)
     stored, transient = 0.0, 0.0
@@ -151,8 +157,8 @@ def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int
         stored += count * {"none": full, "op": op, "full": inp, "selective": (full + inp) / 2}[layout.ac]
         transient = max(transient, full if layout.ac in ("full", "selective") else 0.0)
     flight = microbatches_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.virtual)
-    logits = loss_bytes_per_vocab(layout.precision) * arch.vocab_size / layout.tp
-    return tokens * (flight * stored + transient + logits)
+    logits = loss_bytes_per_vocab(layout.precision, layout.loss_compiled) * arch.vocab_size / layout.tp
+    return tokens * (flight * stored + transient) + max(tokens * logits, held_grad)
 
 
 def sharded(arch: Arch, layout: Layout, nbytes: float, stage: int) -> float:
@@ -173,13 +179,36 @@ def memory_per_rank(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int) 
                                 sharded(arch, layout, ADAM, 1))
     block = sum(block_param_split(arch, layout))
     low = 0 if layout.precision == "fp32" else ACT_BYTES[layout.precision]  # the compute dtype's bytes
+    held = 0.0
     if z >= 3:  # one block gathered (in the compute dtype) for compute, the next prefetched, the
-        # current block's full gradient
+        # current block's full gradient; the root unit gathered for the whole step (without a
+        # pipeline: with one, the stage's weights stay gathered, ``step.predict`` adds them)
         buffers = 2 * block * (low or MASTER) + block * GRAD
+        if layout.pp == 1:
+            buffers += root_params(arch, layout) * (low or MASTER)
+        held = root_gradient_bytes(arch, layout)
     else:  # autocast's low-precision weight copies alive at the peak (the gradients are the buckets)
         buffers = compute_copies_at_peak(arch, layout) * low
-    act = activation_memory(arch, layout, microbatch_seqs, seq)
+    act = activation_memory(arch, layout, microbatch_seqs, seq, held)
     return MemoryBreakdown(params, grads, optimizer, act, buffers)
+
+
+def root_params(arch: Arch, layout: Layout) -> float:
+    """Parameters of the stage outside its blocks, ZeRO-3's root unit: the embedding, the final norm
+    and the head without a pipeline; with one, the busiest stage's end (as ``compute_copies_at_peak``).
+    Split over tp. Both meshtrain's ZeRO-3 (``ZeroModel.forward``) and PyTorch FSDP2 (the root module is
+    not resharded after forward) keep it gathered from the forward through the backward."""
+    if layout.pp == 1:
+        return (arch.embedding_params() + arch.head_params()) / layout.tp
+    return max(arch.embedding_params(), arch.head_params()) / layout.tp
+
+
+def root_gradient_bytes(arch: Arch, layout: Layout) -> float:
+    """Bytes of ZeRO-3's root-unit gradient held through the backward: meshtrain's root unit takes the
+    head's gradient into its full fp32 buffer and reduce-scatters it only once the embedding's arrives,
+    last. (FSDP2 holds the head's gradient in the compute dtype until the same point: less, and only
+    ever compared with the loss's larger temporaries in ``activation_memory``.)"""
+    return root_params(arch, layout) * GRAD if layout.zero_stage >= 3 else 0.0
 
 
 def compute_copies_at_peak(arch: Arch, layout: Layout) -> float:

@@ -15,7 +15,7 @@ from meshtrain.plan.compute import (ACT_BYTES, attention_rate, elementwise_bytes
                                     fp8_cast_bytes_per_token, layer_forward_parts, matmul_chain,
                                     op_recomputed_matmul_share, ring_merge_bytes)
 from meshtrain.plan.layout import Layout, parse_layout, validate
-from meshtrain.plan.memory import memory_per_rank, stage_params
+from meshtrain.plan.memory import activation_memory, loss_bytes_per_vocab, memory_per_rank, stage_params
 from meshtrain.plan.search import search
 from meshtrain.plan.step import _context_parallel, _tensor_parallel, predict
 
@@ -125,7 +125,36 @@ def test_full_checkpointing_holds_one_blocks_compute_copy_at_the_peak():
     full = memory_per_rank(L8B, Layout(dp=8, ac="full"), 1, 4096)
     assert none.buffers - full.buffers == pytest.approx((L8B.n_layers - 1) * L8B.params_per_layer() * 2)
     z3 = memory_per_rank(L8B, Layout(dp=8, zero_stage=3, ac="full"), 1, 4096)
-    assert z3.buffers == pytest.approx(L8B.params_per_layer() * (2 * 2 + 4))  # two gathered bf16 blocks + a grad
+    # two gathered bf16 blocks + a block's fp32 grad, and the root unit (embedding, norm, head) gathered in bf16
+    root = L8B.vocab_size * L8B.dim * 2 + L8B.dim
+    assert z3.buffers == pytest.approx(L8B.params_per_layer() * (2 * 2 + 4) + root * 2)
+
+
+def test_zero3_root_gradient_is_held_where_the_loss_temporaries_are_smaller():
+    """ZeRO-3's root-unit gradient (fp32, from the head's backward to the embedding's) lives after the
+    loss's temporaries are freed: the peak holds the larger of the two, not both."""
+    lay = Layout(dp=8, zero_stage=3, ac="full")
+    root = L8B.vocab_size * L8B.dim * 2 + L8B.dim
+    logits = lambda tokens: tokens * loss_bytes_per_vocab("bf16") * L8B.vocab_size  # noqa: E731
+    stored = lambda tokens: activation_memory(L8B, lay, 1, tokens) - logits(tokens)  # noqa: E731
+    for tokens in (16, 4096):  # a short sequence: the root gradient is larger; a long one: the loss
+        with_grad = activation_memory(L8B, lay, 1, tokens, held_grad=root * 4)
+        assert with_grad == pytest.approx(stored(tokens) + max(logits(tokens), root * 4))
+    assert memory_per_rank(L8B, lay, 1, 16).activations == pytest.approx(stored(16) + root * 4)
+    assert memory_per_rank(L8B, Layout(dp=8, zero_stage=2, ac="full"), 1, 16).activations == \
+        pytest.approx(stored(16) + logits(16))  # ZeRO-2's gradients are the buckets, already counted
+
+
+def test_a_compiled_loss_holds_the_logits_and_their_gradient_only():
+    """``closs=1`` (a peer whose cross-entropy is compiled): 2 + 2 bytes a logit at bf16 against
+    eager's 2 + 3 x 4; fp32 is 8 either way."""
+    assert loss_bytes_per_vocab("bf16", compiled=True) == 4.0 and loss_bytes_per_vocab("bf16") == 14.0
+    assert loss_bytes_per_vocab("fp32", compiled=True) == loss_bytes_per_vocab("fp32") == 8.0
+    eager, fused = parse_layout("dp=8,zero=3,ac=op"), parse_layout("dp=8,zero=3,ac=op,closs=1")
+    assert fused.label().endswith("closs=1,zero=3,ac=op") and parse_layout(fused.label()) == fused
+    drop = memory_per_rank(L8B, eager, 2, 8192).total - memory_per_rank(L8B, fused, 2, 8192).total
+    assert drop == pytest.approx(2 * 8192 * L8B.vocab_size * (14 - 4))
+    assert predict(L8B, H100, eager, 16, 8192).step_time == predict(L8B, H100, fused, 16, 8192).step_time
 
 
 def test_fsdp_under_a_pipeline_keeps_the_stages_unsharded_fp32_gradients():
