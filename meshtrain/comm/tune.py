@@ -11,18 +11,25 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   the same calls on the group in the same order, so every member runs the same candidate on the
   same call with no message. Each call is timed where it runs (``runner``); the first call of each
   block is not counted (it carries the previous algorithm's skew between the ranks).
-* **decide**: on the next call every member posts its median time per candidate through the
-  transport's ``exchange`` (the store, or a shared dict) and all take the candidate with the least
-  mean over the members -- the same answer everywhere, from the same numbers -- unless the static
-  choice is within ``PRIOR`` of it, which then stays. So the choice is never measured more than
-  ``PRIOR`` slower than torch's own where that was a candidate. A candidate some member has no time
-  for (an async call still in flight) is left out. Group rank 0 writes the choice to the
+* **decide**: on the next call every member posts its time per candidate (``typical``: the mean of
+  its timed calls but the slowest, what a loop of such calls pays) through the transport's
+  ``exchange`` (the store, or a shared dict) and all take the candidate with the least mean over the
+  members -- the same answer everywhere, from the same numbers -- unless the static choice, or else
+  torch's own, is within ``PRIOR`` of it, which then stays: a win inside the noise does not
+  overturn the measured rules, nor the peer auto must not lose to. So the choice is never measured
+  more than ``PRIOR`` slower than torch's own where that was a candidate. A candidate that beat
+  torch's own is first **verified**: the slot explores again between the two only, in
+  ``VERIFY_ROUNDS`` passes of ``VERIFY_BLOCK`` calls each (the first ``VERIFY_SKIP`` of a block
+  not counted; torch's own first, so within ``PRIOR`` it stays), and keeps the winner of that
+  pass. A candidate some member has no time for (an async call still in flight) is left out. Group rank 0 writes the choice to the
   calibration cache (``select.cache_path``), keyed by transport, group shape and host
   fingerprint; the next run's first call loads group rank 0's table (one exchange per group) and
   keeps those choices without exploring.
-* **keep**: the choice runs; every ``CHECK_EVERY`` calls the members time the last ``RECENT`` of
-  them and exchange the median: if the mean strays from the agreed time by more than ``DRIFT``
-  either way (a link that slowed, a cached choice from a quieter machine), the slot explores again.
+* **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice other than torch's
+  own, then every ``CHECK_EVERY`` calls, the members time the last ``RECENT`` of them and exchange their
+  ``typical`` time: if the mean strays from the agreed time by more than ``DRIFT`` either way (a
+  link that slowed, a cached choice from a quieter machine, or a choice whose exploring calls ran
+  faster than it runs back to back), the slot explores again.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -36,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import threading
 import time
 from typing import Any
@@ -48,7 +54,13 @@ BLOCK = 4  # consecutive calls of one candidate in a pass; the first of each is 
 ROUNDS_SMALL = 3  # below SMALL bytes: such calls are cheap and their times noisy (scheduler, wake-ups)
 SMALL = 1 << 20
 PRIOR = 0.05  # the static choice is kept unless another candidate is faster by more than this
+VERIFY_ROUNDS = 2  # a win over torch's own is verified in passes of longer blocks (``_decide``) ...
+VERIFY_BLOCK = 16
+VERIFY_SKIP = 4  # ... whose first calls are not counted: after another algorithm's calls torch's own
+# ran slower for several calls here (1 MB all-reduce, 2 ranks: 1.1-2.1 ms within blocks of 4 against
+# 0.8-1.2 ms back to back), which blocks of 4 took for the candidates' difference
 CHECK_EVERY = 1024  # calls of a kept choice between drift checks
+CHECK_FIRST = 64  # ... but the first check comes this soon after a measured choice
 RECENT = 16  # calls timed before each drift check
 DRIFT = 1.5  # a recent/agreed time ratio beyond this (or below its inverse) explores again
 MAX_CANDIDATES = 4
@@ -87,7 +99,8 @@ def host_fingerprint() -> str:
 class Slot:
     """One (op, dtype, size bucket)'s state on one member; see the module docstring."""
 
-    __slots__ = ("candidates", "calls", "times", "choice", "agreed", "source", "kept_at", "recent", "probes")
+    __slots__ = ("candidates", "calls", "times", "choice", "agreed", "source", "kept_at", "recent", "probes",
+                 "period", "all_candidates")
 
     def __init__(self, candidates: list[str]) -> None:
         self.candidates = candidates
@@ -99,14 +112,30 @@ class Slot:
         self.kept_at = 0
         self.recent: list[float] = []
         self.probes = 0  # times explored (re-probes after drift count)
+        self.period = CHECK_EVERY  # calls from ``kept_at`` to the next drift check
+        self.all_candidates: list[str] | None = None  # set while a win over native is verified
 
     def keep(self, choice: str, agreed: dict[str, float], source: str) -> None:
-        """Keep ``choice`` from the call after this one on."""
+        """Keep ``choice`` from the call after this one on (checked soon if just measured over
+        torch's own: exploring calls of meshtrain's algorithms can run faster than the same calls
+        back to back)."""
         self.choice, self.agreed, self.source = choice, agreed, source
         self.kept_at, self.recent = self.calls, []
+        soon = source == "measured" and choice != "native"
+        self.period = min(CHECK_FIRST, CHECK_EVERY) if soon else CHECK_EVERY
 
     def explore(self) -> None:
         """Start exploring again (after a drift)."""
+        if self.all_candidates is not None:
+            self.candidates, self.all_candidates = self.all_candidates, None
+        self._restart()
+
+    def verify(self, winner: str) -> None:
+        """Explore again between torch's own and ``winner`` only (see ``Tuner._decide``)."""
+        self.all_candidates, self.candidates = self.candidates, ["native", winner]
+        self._restart()
+
+    def _restart(self) -> None:
         self.choice, self.calls, self.kept_at, self.recent = None, 0, 0, []
         self.times = {c: [] for c in self.candidates}
 
@@ -133,18 +162,23 @@ class Tuner:
         if slot.choice is None:
             k = len(slot.candidates)
             n = slot.calls - 1
-            if n < (ROUNDS_SMALL if nbytes < SMALL else ROUNDS) * k * BLOCK:
-                algo = slot.candidates[n // BLOCK % k]
+            verifying = slot.all_candidates is not None
+            block, skip = (VERIFY_BLOCK, VERIFY_SKIP) if verifying else (BLOCK, 1)
+            rounds = VERIFY_ROUNDS if verifying else ROUNDS_SMALL if nbytes < SMALL else ROUNDS
+            if n < rounds * k * block:
+                algo = slot.candidates[n // block % k]
                 # A block's first call absorbs the switch: the ranks leave the previous algorithm
                 # at different times, and the first to leave waits for the others in this call.
-                self._pending.v = (slot, algo, n % BLOCK != 0)
+                self._pending.v = (slot, algo, n % block >= skip)
                 return algo
             self._decide(key, slot)
-        elif slot.calls - slot.kept_at > CHECK_EVERY:
+            if slot.choice is None:  # a win over torch's own is being verified: its first call
+                return self.pick(op, nbytes, dtype, static, candidates)
+        elif slot.calls - slot.kept_at > slot.period:
             self._check_drift(key, slot)
             if slot.choice is None:  # drifted: explore again from this call
                 return self.pick(op, nbytes, dtype, static, candidates)
-        elif slot.calls - slot.kept_at > CHECK_EVERY - RECENT and slot.source != "only candidate":
+        elif slot.calls - slot.kept_at > slot.period - RECENT and slot.source != "only candidate":
             self._pending.v = (slot, slot.choice, True)
         return slot.choice
 
@@ -196,7 +230,7 @@ class Tuner:
         return slot
 
     def _decide(self, key: tuple, slot: Slot) -> None:
-        mine = {c: (statistics.median(ts) if ts else None) for c, ts in slot.times.items()}
+        mine = {c: (typical(ts) if ts else None) for c, ts in slot.times.items()}
         posts = self._exchange(f"choosing {key[0]}'s algorithm", mine)
         agreed = {}
         for c in slot.candidates:
@@ -204,18 +238,28 @@ class Tuner:
             if all(v is not None for v in vals):
                 agreed[c] = sum(vals) / len(vals)
         choice = min(agreed, key=lambda c: (agreed[c], slot.candidates.index(c))) if agreed else slot.candidates[0]
-        static = slot.candidates[0]
-        if static in agreed and agreed[static] <= agreed[choice] * (1 + PRIOR):
-            choice = static  # a win inside the noise does not overturn the measured rules and the model
+        for keeper in (slot.candidates[0], "native"):  # the static choice, then torch's own
+            if keeper in agreed and agreed[keeper] <= agreed[choice] * (1 + PRIOR):
+                choice = keeper  # a win inside the noise does not overturn it
+                break
+        if choice != "native" and "native" in agreed and slot.all_candidates is None:
+            # A win over torch's own is measured twice before it is kept: on a crowded host a
+            # candidate's exploring calls can draw a fast spell (docs/benchmarks.md, session 23), and
+            # a second, separate pass of the two (torch's own first, so within PRIOR it stays) has
+            # to agree.
+            slot.verify(choice)
+            return
+        if slot.all_candidates is not None:  # verified: the full list again (explain, drift)
+            slot.candidates, slot.all_candidates = slot.all_candidates, None
         slot.probes += 1
         slot.keep(choice, agreed, "measured")
         if self.group.rank == 0:
             _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": choice, "agreed": agreed})
 
     def _check_drift(self, key: tuple, slot: Slot) -> None:
-        mine = statistics.median(slot.recent) if slot.recent else None
+        mine = typical(slot.recent) if slot.recent else None
         posts = self._exchange(f"checking {key[0]}'s time", mine)
-        slot.kept_at, slot.recent = slot.calls, []
+        slot.kept_at, slot.recent, slot.period = slot.calls, [], CHECK_EVERY
         base = slot.agreed.get(slot.choice or "")
         if base is None or any(p is None for p in posts):
             if base is None and all(p is not None for p in posts):  # a cached choice without times
@@ -234,6 +278,16 @@ class Tuner:
                              choice=slot.choice, source=slot.source, agreed_s=dict(slot.agreed),
                              candidates=list(slot.candidates), probes=slot.probes))
         return rows
+
+
+def typical(times: list[float]) -> float:
+    """Seconds per call of a candidate from its timed calls: their mean without the slowest (one
+    descheduled call, which any candidate may draw). Not the median: on a crowded host a collective's
+    calls can alternate between fast ones and scheduler-quantum stalls, and a loop of calls pays the
+    mean; a median of the fast ones chose meshtrain's p2p algorithms over gloo's own on 4 KB calls that
+    then ran 3x slower back to back (docs/benchmarks.md, session 23)."""
+    kept = sorted(times)[:-1] if len(times) > 2 else times
+    return sum(kept) / len(kept)
 
 
 def of(group: Any) -> Tuner | None:

@@ -43,6 +43,7 @@ class FakeOp:
 
 def test_a_cpu_op_is_issued_async_looked_at_then_waited_for(monkeypatch):
     monkeypatch.setattr(native, "POLL_S", 30.0)  # a loaded machine's yields must not end the looks early
+    monkeypatch.setattr(native, "POLL_SMALL_S", 30.0)
     op = FakeOp(looks=3)
     native._run(op, torch.ones(4), group=None)
     assert op.calls == [{"async_op": True, "group": None}]
@@ -85,6 +86,25 @@ def test_a_long_op_is_looked_at_for_poll_s_then_left_to_torchs_wait():
     assert time.monotonic() - t0 >= native.POLL_S and work.seen >= 1
     native.finish(work)
     assert work.waited == 1
+
+
+def test_with_a_core_per_rank_a_small_op_is_looked_at_longer(monkeypatch):
+    """Ranks fitting the cores: an op below POLL_SMALL_MAX_BYTES is looked at for POLL_SMALL_S (it
+    ends within it, and parking sooner let the core idle into a slow wake-up); a larger one for
+    POLL_S; on a crowded host a small one for POLL_S too."""
+    monkeypatch.setattr(native, "POLL_S", 0.02)
+    monkeypatch.setattr(native, "POLL_SMALL_S", 0.5)
+    monkeypatch.setattr(native, "_crowded", [False])
+
+    def looked(nbytes: int) -> float:
+        t0 = time.monotonic()
+        assert native.polled(FakeWork(looks=None), nbytes) is False
+        return time.monotonic() - t0
+
+    assert looked(native.POLL_SMALL_MAX_BYTES - 1) >= 0.5
+    assert 0.02 <= looked(native.POLL_SMALL_MAX_BYTES) < 0.5
+    native.crowded(10_000)
+    assert 0.02 <= looked(1024) < 0.5
 
 
 def test_on_a_crowded_host_a_large_op_is_looked_at_once_and_a_small_one_still_polled(monkeypatch):

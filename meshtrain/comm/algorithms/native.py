@@ -117,7 +117,7 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
     cpu = _on_cpu(args[0])
     work = direct() if direct is not None and cpu else None
     guard = _local.guard
-    size = _nbytes(args[0]) if _crowded[0] else 0  # only a crowded host's waits look at it (polled)
+    size = _nbytes(args[0])  # how long the wait looks at the op (polled)
     if guard is not None:
         guard.wait(work if work is not None else fn(*args, async_op=True, **kw), size)
     elif not cpu:  # NCCL's ops are ordered on the stream (the host does not wait)
@@ -164,10 +164,14 @@ def polled(work: dist.Work, nbytes: int = 0) -> bool:
     """True once ``work`` completed, looked at for up to POLL_S, yielding the core between looks.
     On a host with more ranks than cores an op of LOOK_MAX_BYTES or more is looked at once only:
     it outlasts the looks, and they take the core from ranks that must run for it to end (4 ranks
-    on 2 cores, 1 MB all-gather: 3-10 % slower with them, docs/benchmarks.md, session 15)."""
+    on 2 cores, 1 MB all-gather: 3-10 % slower with them, docs/benchmarks.md, session 15). With a
+    core per rank, an op below POLL_SMALL_MAX_BYTES is looked at for up to POLL_SMALL_S: such an op
+    mostly ends within it, and a thread that parks sooner lets its core idle, whose wake-up here
+    took a scheduler tick (~4 ms) on a quarter to half of 4 KB all-reduces (docs/benchmarks.md,
+    session 23)."""
     if nbytes >= LOOK_MAX_BYTES and _crowded[0]:
         return work.is_completed()
-    end = time.monotonic() + POLL_S
+    end = time.monotonic() + (POLL_SMALL_S if nbytes < POLL_SMALL_MAX_BYTES and not _crowded[0] else POLL_S)
     while not work.is_completed():
         if time.monotonic() >= end:
             return False
@@ -176,6 +180,8 @@ def polled(work: dist.Work, nbytes: int = 0) -> bool:
 
 
 POLL_S = float(os.environ.get("MESHTRAIN_NATIVE_POLL_US", "200")) * 1e-6
+POLL_SMALL_S = float(os.environ.get("MESHTRAIN_NATIVE_POLL_SMALL_US", "1000")) * 1e-6
+POLL_SMALL_MAX_BYTES = 4 << 20  # gloo's own ops below it took 0.3-3 ms on 2 ranks here
 LOOK_MAX_BYTES = int(os.environ.get("MESHTRAIN_NATIVE_LOOK_MAX_BYTES", str(1 << 20)))
 _crowded = [False]  # this host runs more ranks than this process may use cores (``crowded``)
 
