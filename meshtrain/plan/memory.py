@@ -206,8 +206,9 @@ def root_params(arch: Arch, layout: Layout) -> float:
 def root_gradient_bytes(arch: Arch, layout: Layout) -> float:
     """Bytes of ZeRO-3's root-unit gradient held through the backward: meshtrain's root unit takes the
     head's gradient into its full fp32 buffer and reduce-scatters it only once the embedding's arrives,
-    last. (FSDP2 holds the head's gradient in the compute dtype until the same point: less, and only
-    ever compared with the loss's larger temporaries in ``activation_memory``.)"""
+    last. FSDP2 holds only the head's gradient, in the compute dtype, until the same point: for a
+    peer's run this overcounts, but in every published row the loss's temporaries are larger and
+    ``activation_memory`` takes those."""
     return root_params(arch, layout) * GRAD if layout.zero_stage >= 3 else 0.0
 
 
