@@ -1,6 +1,6 @@
 """``meshtrain bench comm``'s trial shape: every algorithm of a size makes the same number of calls."""
 
-from meshtrain.bench.comm import _same_calls
+from meshtrain.bench.comm import _same_calls, trial_order
 
 
 def test_every_algorithm_of_a_size_makes_the_fastest_ones_count_of_calls():
@@ -44,3 +44,12 @@ def test_explain_prints_what_auto_kept_and_the_measured_times(monkeypatch, capsy
     for row in rows:
         kept = row.split("->")[1].split()[0]
         assert "(measured)" in row and f" {kept} " in row.split(")", 1)[1] + " ", row
+
+
+def test_each_trial_starts_one_algorithm_later():
+    algos = ["auto", "shm", "ring"]
+    orders = [trial_order(algos, t) for t in range(4)]
+    assert orders == [["auto", "shm", "ring"], ["shm", "ring", "auto"], ["ring", "auto", "shm"],
+                      ["auto", "shm", "ring"]]
+    assert [o[0] for o in orders[:3]] == algos  # every algorithm leads a trial
+    assert trial_order([], 2) == []

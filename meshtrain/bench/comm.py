@@ -99,6 +99,14 @@ def _same_calls(cases: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> None:
         c["iters"] = max(min(most, bound), 3)
 
 
+def trial_order(algorithms: list[str], trial: int) -> list[str]:
+    """The order of trial ``trial``: the list rotated by ``trial``, the same on every rank, so an effect
+    of running first (or after a given algorithm) does not fall on one algorithm in every trial (in
+    a fixed order, auto always ran first in ``benchmarks/auto_table.py``)."""
+    k = trial % len(algorithms) if algorithms else 0
+    return algorithms[k:] + algorithms[:k]
+
+
 def _max_over_ranks(x: float) -> float:
     import meshtrain.comm as mc
 
@@ -149,9 +157,11 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             iters = cfg.get("iters") or int(min(max(math.ceil(cfg["target_s"] / max(first, 1e-6)), 3), 200))
             cases[algo] = {"inp": inp, "out": out, "wrong": wrong, "iters": iters, "first": first, "times": []}
         _same_calls(cases, cfg)
-        # Trials interleave the algorithms, so drift in machine load hits all of them alike.
-        for _ in range(trials):
-            for algo, c in cases.items():
+        # Trials interleave the algorithms, so drift in machine load hits all of them alike, and
+        # each trial starts one algorithm later (``trial_order``), so none always runs first.
+        for t in range(trials):
+            for algo in trial_order(list(cases), t):
+                c = cases[algo]
                 for _ in range(cfg["warmup"]):
                     _call(op, algo, c["inp"], c["out"], p)
                 mc.barrier()

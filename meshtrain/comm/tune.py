@@ -25,8 +25,8 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   calibration cache (``select.cache_path``), keyed by transport, group shape and host
   fingerprint; the next run's first call loads group rank 0's table (one exchange per group) and
   keeps those choices without exploring.
-* **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice other than torch's
-  own, then every ``CHECK_EVERY`` calls, the members time the last ``RECENT`` of them and exchange their
+* **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice over torch's own
+  (where that was a candidate), then every ``CHECK_EVERY`` calls, the members time the last ``RECENT`` of them and exchange their
   ``typical`` time: if the mean strays from the agreed time by more than ``DRIFT`` either way (a
   link that slowed, a cached choice from a quieter machine, or a choice whose exploring calls ran
   faster than it runs back to back), the slot explores again.
@@ -116,12 +116,12 @@ class Slot:
         self.all_candidates: list[str] | None = None  # set while a win over native is verified
 
     def keep(self, choice: str, agreed: dict[str, float], source: str) -> None:
-        """Keep ``choice`` from the call after this one on (checked soon if just measured over
-        torch's own: exploring calls of meshtrain's algorithms can run faster than the same calls
-        back to back)."""
+        """Keep ``choice`` from the call after this one on (checked soon if just measured against
+        torch's own and chosen over it: exploring calls of meshtrain's algorithms can run faster
+        than the same calls back to back)."""
         self.choice, self.agreed, self.source = choice, agreed, source
         self.kept_at, self.recent = self.calls, []
-        soon = source == "measured" and choice != "native"
+        soon = source == "measured" and choice != "native" and "native" in agreed
         self.period = min(CHECK_FIRST, CHECK_EVERY) if soon else CHECK_EVERY
 
     def explore(self) -> None:

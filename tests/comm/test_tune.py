@@ -132,6 +132,11 @@ def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
         assert slot.choice == kept and slot.candidates == ["tree", "native", "ring"]
         assert slot.period == (tune.CHECK_EVERY if kept == "native" else tune.CHECK_FIRST)  # own: checked soon
     assert saved == ["native", "native", "ring"]
+    # without torch's own among the candidates (shm), a measured choice keeps the usual cadence
+    slot = tune.Slot(["shm", "ring"])
+    slot.times = {"shm": [2.0] * 3, "ring": [1.0] * 3}
+    t._decide(key, slot)
+    assert slot.choice == "ring" and slot.period == tune.CHECK_EVERY
 
 
 def test_the_call_path_verifies_a_win_over_native_then_keeps_it(monkeypatch):
