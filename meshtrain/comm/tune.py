@@ -21,15 +21,15 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   torch's own is first **verified**: the slot explores again between the two only, in
   ``VERIFY_ROUNDS`` passes of ``VERIFY_BLOCK`` calls each (the first ``VERIFY_SKIP`` of a block
   not counted; torch's own first, so within ``PRIOR`` it stays), and keeps the winner of that
-  pass. A candidate some member has no time for (an async call still in flight) is left out. Group rank 0 writes the choice to the
-  calibration cache (``select.cache_path``), keyed by transport, group shape and host
-  fingerprint; the next run's first call loads group rank 0's table (one exchange per group) and
-  keeps those choices without exploring.
+  pass. A candidate some member has no time for (an async call still in flight) is left out.
+  Group rank 0 writes the choice to the calibration cache (``select.cache_path``), keyed by
+  transport, group shape and host fingerprint; the next run's first call loads group rank 0's
+  table (one exchange per group) and keeps those choices without exploring.
 * **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice over torch's own
-  (where that was a candidate), then every ``CHECK_EVERY`` calls, the members time the last ``RECENT`` of them and exchange their
-  ``typical`` time: if the mean strays from the agreed time by more than ``DRIFT`` either way (a
-  link that slowed, a cached choice from a quieter machine, or a choice whose exploring calls ran
-  faster than it runs back to back), the slot explores again.
+  (where that was a candidate), then every ``CHECK_EVERY`` calls, the members time the last
+  ``RECENT`` of them and exchange their ``typical`` time: if the mean strays from the agreed time
+  by more than ``DRIFT`` either way (a link that slowed, a cached choice from a quieter machine, or
+  a choice whose exploring calls ran faster than it runs back to back), the slot explores again.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -122,13 +122,17 @@ class Slot:
         self.choice, self.agreed, self.source = choice, agreed, source
         self.kept_at, self.recent = self.calls, []
         soon = source == "measured" and choice != "native" and "native" in agreed
-        self.period = min(CHECK_FIRST, CHECK_EVERY) if soon else CHECK_EVERY
+        self.period = CHECK_FIRST if soon else CHECK_EVERY
 
     def explore(self) -> None:
         """Start exploring again (after a drift)."""
+        self.verified()
+        self._restart()
+
+    def verified(self) -> None:
+        """End a verification (``verify``): the full candidate list again (explain, drift)."""
         if self.all_candidates is not None:
             self.candidates, self.all_candidates = self.all_candidates, None
-        self._restart()
 
     def verify(self, winner: str) -> None:
         """Explore again between torch's own and ``winner`` only (see ``Tuner._decide``)."""
@@ -249,8 +253,7 @@ class Tuner:
             # to agree.
             slot.verify(choice)
             return
-        if slot.all_candidates is not None:  # verified: the full list again (explain, drift)
-            slot.candidates, slot.all_candidates = slot.all_candidates, None
+        slot.verified()
         slot.probes += 1
         slot.keep(choice, agreed, "measured")
         if self.group.rank == 0:

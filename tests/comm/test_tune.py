@@ -91,6 +91,20 @@ def test_members_keep_one_choice_when_their_own_timings_disagree(monkeypatch):
     assert set(out[0][0][rounds * k * tune.BLOCK:]) == {out[0][1]}, "after exploring, only the choice runs"
 
 
+class _OneMember:
+    """The group a Tuner reads, of one member: its exchange returns the member's own post."""
+
+    gid, ranks, rank, size, timeout = 0, [0], 0, 1, 5.0
+
+    class comm:
+        preferred_algorithm = None
+
+        class transport:
+            @staticmethod
+            def exchange(key, ranks, payload, timeout):
+                return [payload]
+
+
 def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
     """``typical`` is the mean of a candidate's calls but the slowest: a candidate fast on most calls
     and stalled on a third of them loses to a steady one (its median would have won); a candidate
@@ -100,22 +114,11 @@ def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
     assert sorted(fast_median)[4] < sorted(steady)[4] and tune.typical(fast_median) > tune.typical(steady)
     assert tune.typical([1.0, 1.0, 100.0]) == 1.0 and tune.typical([3.0, 5.0]) == 4.0
 
-    class G:  # the group a Tuner reads: one member, whose exchange returns its own post
-        gid, ranks, rank, size, timeout = 0, [0], 0, 1, 5.0
-
-        class comm:
-            preferred_algorithm = None
-
-            class transport:
-                @staticmethod
-                def exchange(key, ranks, payload, timeout):
-                    return [payload]
-
     saved = []
     monkeypatch.setattr(tune, "_table_key", lambda group: "test")
     monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: saved.append(entry["algorithm"]))
     key = ("all_reduce", "float32", 12, None)
-    t = tune.Tuner(G())
+    t = tune.Tuner(_OneMember())
     t.cached = {}
     slot = tune.Slot(["tree", "native", "ring"])  # static choice first
     slot.times = {"tree": [2.0] * 3, "native": [1.04] * 3, "ring": [1.0] * 3}
@@ -142,21 +145,10 @@ def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
 def test_the_call_path_verifies_a_win_over_native_then_keeps_it(monkeypatch):
     """pick(): the candidates' blocks, then blocks of torch's own and the winner only, then the
     winner alone (one member; times recorded as the runner would)."""
-    class G:
-        gid, ranks, rank, size, timeout = 0, [0], 0, 1, 5.0
-
-        class comm:
-            preferred_algorithm = None
-
-            class transport:
-                @staticmethod
-                def exchange(key, ranks, payload, timeout):
-                    return [payload]
-
     monkeypatch.setattr(tune, "_table_key", lambda group: "test")
     monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
     monkeypatch.setattr(tune, "_load_table", lambda key: None)
-    t = tune.Tuner(G())
+    t = tune.Tuner(_OneMember())
     seconds = {"tree": 3.0, "native": 2.0, "ring": 1.0}
     ran = []
     for _ in range(150):
