@@ -206,6 +206,11 @@ ARCHS: dict[str, Arch] = {
     # left out.) 30.5 B total, 3.3 B active per the model card.
     "qwen3-30b-a3b": Arch("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_size=128, n_experts=128,
                           moe_top_k=8, moe_ffn_dim=768),
+    # Qwen3-235B-A22B (its config.json; the same shape in Megatron arguments, THUDM/slime
+    # scripts/models/qwen3-235B-A22B.sh): 94 layers, all MoE, hidden 4096, 64 query heads and 4 kv
+    # heads of 128, 128 experts, top-8, moe_intermediate_size 1536, vocabulary 151936, untied head.
+    "qwen3-235b-a22b": Arch("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, head_size=128, n_experts=128,
+                            moe_top_k=8, moe_ffn_dim=1536),
     # DeepSeek-V3 (arXiv 2412.19437 and its config.json): 61 layers, hidden 7168, the first 3 dense
     # (intermediate 18432), then 256 routed experts (top-8, moe_intermediate 2048) + 1 shared; MLA
     # with 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128;

@@ -76,6 +76,9 @@ class Cluster:
     0: not modelled. Hopper: 720, fitted to DeepGEMM's published H800 FP8 table (README, 2025-02-25:
     4096-row GEMMs at K = 512, 1536, 2048, 7168, 16384 reach 590, 990, 1025-1099, 1288-1304, 1358
     TFLOPS), nothing else."""
+    sm_count: int = 0
+    """Streaming multiprocessors of one GPU (0: not a GPU, or unknown): what a communication kernel
+    that holds some of them while compute runs beside it leaves to that compute (``moe.ep_exposed``)."""
     eager_elementwise_passes: float = 1.0
     """A scale on the bytes eager element-wise kernels are counted to move (``compute.ELEMENTWISE``:
     each op class's eager kernels, counted from the code); 1.0 for every preset."""
@@ -183,6 +186,7 @@ PRESETS: dict[str, Cluster] = {
     # figures "Attention forward/backward speed, head dim 128 (H100 80GB SXM5)"): FA2 335 TFLOP/s
     # forward, 322 backward; cuDNN 539 and 516, i.e. 1.6x. As fractions of the 989 TFLOP/s peak:
     # ATTN_FA2_FWD / ATTN_FA2_BWD below.
+    # SMs: 132 on the H100 and H200 SXM, 108 on the A100 (NVIDIA's datasheets / architecture papers).
     # H100 SXM5 80 GB, 700 W: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32), 3.35 TB/s HBM3;
     # NVLink 4 (450 GB/s per direction; nccl-tests all-reduce busbw ~360 GB/s on 8 GPUs) and one
     # 400 Gb/s InfiniBand NIC per GPU (50 GB/s, ~45 GB/s achieved).
@@ -193,13 +197,13 @@ PRESETS: dict[str, Cluster] = {
                  hbm_bandwidth=3.35e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
                  matmul_efficiency=H100_MATMUL, attention_efficiency=ATTN_FA2_FWD,
                  attention_bwd_efficiency=ATTN_FA2_BWD, fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6,
-                 gemm_k0=720, **HOST_DDR5, notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
+                 gemm_k0=720, sm_count=132, **HOST_DDR5, notes="H100 SXM5 80GB, NVLink 4 + 400G InfiniBand per GPU"),
     # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
     "h200": _gpu("h200", gpus_per_node=8, memory_bytes=141e9, peak_flops=989e12, fp32_flops=67e12,
                  hbm_bandwidth=4.8e12, intra=Level(10e-6, 360e9), inter=Level(20e-6, 45e9),
                  matmul_efficiency=H100_MATMUL, attention_efficiency=ATTN_FA2_FWD,
                  attention_bwd_efficiency=ATTN_FA2_BWD, fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6,
-                 gemm_k0=720, **HOST_DDR5, notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
+                 gemm_k0=720, sm_count=132, **HOST_DDR5, notes="H200 SXM 141GB, NVLink 4 + 400G InfiniBand per GPU"),
     # A100 SXM4 80 GB: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s; NVLink 3 (~230 GB/s busbw) and one
     # 200 Gb/s HDR NIC per GPU (~22.5 GB/s achieved). No fp8. Host (DGX A100 640GB): PCIe Gen4 x16
     # (31.5 GB/s per direction, ~25 GB/s pinned), two EPYC 7742 with 16 channels of DDR4-3200
@@ -207,7 +211,7 @@ PRESETS: dict[str, Cluster] = {
     "a100": _gpu("a100", gpus_per_node=8, memory_bytes=80 * GiB, peak_flops=312e12, fp32_flops=19.5e12,
                  hbm_bandwidth=2.0e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
                  matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5,
-                 fa1_attention_efficiency=FA1_A100, fp8_speedup=1.0,
+                 fa1_attention_efficiency=FA1_A100, fp8_speedup=1.0, sm_count=108,
                  pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9), host_memory_bytes=2e12,
                  notes="A100 SXM4 80GB, NVLink 3 + 200G InfiniBand per GPU"),
     # A100 SXM4 40 GB: the 80 GB part's compute and links with 40 GiB of HBM2 at 1.555 TB/s (the 40 GB
@@ -217,7 +221,7 @@ PRESETS: dict[str, Cluster] = {
                       hbm_bandwidth=1.555e12, intra=Level(10e-6, 230e9), inter=Level(20e-6, 22.5e9),
                       matmul_efficiency=0.70, attention_efficiency=0.5, attention_bwd_efficiency=0.5,
                       fa1_attention_efficiency=FA1_A100,
-                      fp8_speedup=1.0, pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9),
+                      fp8_speedup=1.0, sm_count=108, pcie_bandwidth=25e9, host_adam_rate=host_adam_rate(410e9),
                       host_memory_bytes=1e12, notes="A100 SXM4 40GB, NVLink 3 + 200G per GPU"),
     # The hosts of torchtitan's published runs (Meta's Grand Teton): H100 with 96 GB of HBM2e at
     # 2.4 TB/s, run at the default 500 W power limit (lower sustained clocks than the 700 W h100),
@@ -227,7 +231,8 @@ PRESETS: dict[str, Cluster] = {
                        inter=Level(20e-6, 45e9), matmul_efficiency=GT500_MATMUL,
                        attention_efficiency=ATTN_FA2_FWD * GT500_CLOCK,
                        attention_bwd_efficiency=ATTN_FA2_BWD * GT500_CLOCK,
-                       fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6, gemm_k0=720, **HOST_DDR5,  # (its host taken as a DGX H100's)
+                       fused_attention_speedup=CUDNN_OVER_FA2, fp8_speedup=1.6, gemm_k0=720, sm_count=132,
+                       **HOST_DDR5,  # (its host taken as a DGX H100's)
                        notes="Grand Teton H100 96GB HBM2e at 500 W"),
 }
 
@@ -290,6 +295,7 @@ RULES: dict[str, _Rule] = {
     "hbm_efficiency": _Rule(float, **_SHARE, example="0.7"),
     "fp8_speedup": _Rule(float, least=1, example="1.6 (1.0: no fp8)"),
     "gemm_k0": _Rule(float, least=0, example="720 (0: not modelled)"),
+    "sm_count": _Rule(int, least=0, example="132 (H100 SXM; 0: unknown)"),
     "eager_elementwise_passes": _Rule(float, least=1, example="1.0"),
     "reserved_bytes": _Rule(float, least=0, example="2147483648 (2 GiB)"),
     "backend": _Rule(str, choices=("nccl", "host"), example='"nccl"'),

@@ -7,6 +7,7 @@ Validation raises ConfigError with the nearest valid choice, so the CLI can prin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..config.dims import positive_int
@@ -64,6 +65,11 @@ class Layout:
     forward, bucket by bucket, as Megatron's distributed optimizer does with
     ``--overlap-param-gather``; meshtrain gathers the fp32 weights after the step. Only meaningful
     with zero 1 or 2; for pricing a peer's published run (meshtrain's own runs cannot set it)."""
+    p2p_overlap: bool = False
+    """The pipeline's sends and receives run beside the next chunk's compute (Megatron's
+    ``overlap_p2p_comm``, which Megatron-LM and Megatron-Bridge turn on with the interleaved schedule):
+    only what a transfer takes beyond one chunk's compute is exposed. meshtrain waits for each
+    transfer. For pricing a peer's run."""
     offload: str = "none"
     """ZeRO CPU offload (``parallel.offload``): "optimizer" keeps the fp32 masters and AdamW state in
     host memory and steps on the CPUs; "params" (ZeRO-3) also ZeRO-3's parameter shards."""
@@ -107,9 +113,18 @@ class Layout:
         return self.dp // self.dp_replicate
 
     @property
+    def ep_room(self) -> int:
+        """Ranks an expert-parallel group may span: dp_shard x cp (meshtrain), or tp x dp_shard x cp
+        under Megatron's order, whose expert grid folds ep over the tensor-parallel ranks too (expert
+        tensor parallelism 1: EP x expert-DP = TP x DP x CP)."""
+        return self.dp_shard * self.cp * (self.tp if self.rank_order == "megatron" else 1)
+
+    @property
     def ep_in_dp(self) -> int:
-        """The part of ep taken from dp_shard (the rest of ep is the whole cp group)."""
-        return self.ep // self.cp if self.ep > 1 else 1
+        """The part of ep taken from dp_shard (the rest of ep is the whole cp group, and under
+        Megatron's folding possibly tp ranks)."""
+        share = self.ep // self.cp if self.ep > 1 else 1
+        return math.gcd(share, self.dp_shard) if self.dp_shard % share else share
 
     @property
     def dp_shard_in_ep(self) -> int:
@@ -123,9 +138,10 @@ class Layout:
 
     @property
     def expert_shards(self) -> int:
-        """Ranks ZeRO shards the experts over: (dp_shard x cp / ep) x tp, their expert-data-parallel
-        shard group (tp ranks hold the same experts: experts are not tensor-parallel)."""
-        return self.dp_shard_mod_ep * self.tp
+        """Ranks ZeRO shards the experts over: tp x dp_shard x cp / ep, their expert-data-parallel
+        shard group (experts are not tensor-parallel: tp ranks hold the same experts unless Megatron's
+        folding spreads ep over them)."""
+        return self.tp * self.dp_shard * self.cp // self.ep
 
     @property
     def zero_shards(self) -> int:
@@ -151,6 +167,8 @@ class Layout:
             parts.append(f"m={self.microbatches}")
         if self.uneven and self.pp * self.virtual > 1:
             parts.append("uneven=1")
+        if self.p2p_overlap and self.pp > 1:
+            parts.append("ppo=1")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         if self.ep_overlap and self.ep > 1:
@@ -185,9 +203,10 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven",
          "atp": "async_tp", "async_tp": "async_tp", "cpag": "cp_allgather", "cp_allgather": "cp_allgather",
          "attn": "attn_kernel", "attn_kernel": "attn_kernel", "fsdp": "fsdp_pp", "fsdp_pp": "fsdp_pp",
-         "kvrep": "kv_repeat", "kv_repeat": "kv_repeat", "closs": "loss_compiled", "loss_compiled": "loss_compiled"}
+         "kvrep": "kv_repeat", "kv_repeat": "kv_repeat", "closs": "loss_compiled", "loss_compiled": "loss_compiled",
+         "ppo": "p2p_overlap", "p2p_overlap": "p2p_overlap"}
 _FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "cp_allgather", "fsdp_pp",
-          "kv_repeat", "loss_compiled")
+          "kv_repeat", "loss_compiled", "p2p_overlap")
 """Layout fields written 1 or 0 (true/false, on/off)."""
 
 MAX_GPUS = 1 << 20
@@ -234,11 +253,11 @@ def tp_splits(arch: Arch, tp: int) -> bool:
 
 
 def ep_choices(arch: Arch, layout: Layout) -> list[int]:
-    """Every valid ep for ``layout``'s other degrees: a multiple of cp dividing dp_shard x cp and the
-    number of routed experts (just 1 for a dense model)."""
+    """Every valid ep for ``layout``'s other degrees: a multiple of cp dividing ``Layout.ep_room`` and
+    the number of routed experts (just 1 for a dense model)."""
     if not arch.is_moe:
         return [1]
-    room = layout.dp_shard * layout.cp
+    room = layout.ep_room
     return [e for e in range(1, room + 1) if room % e == 0 and arch.n_experts % e == 0 and
             (e == 1 or e % layout.cp == 0)]
 
@@ -258,8 +277,9 @@ def validate_ep(layout: Layout, arch: Arch) -> None:
     if layout.ep % layout.cp:
         raise ConfigError(f"ep={layout.ep} is not a multiple of cp={layout.cp} (an expert-parallel group spans "
                           f"the whole cp group); use ep in {ok}")
-    if (layout.dp_shard * layout.cp) % layout.ep:
-        raise ConfigError(f"ep={layout.ep} does not divide dp_shard x cp = {layout.dp_shard} x {layout.cp} "
+    if layout.ep_room % layout.ep:
+        folded = f"tp x dp_shard x cp = {layout.tp} x " if layout.rank_order == "megatron" else "dp_shard x cp = "
+        raise ConfigError(f"ep={layout.ep} does not divide {folded}{layout.dp_shard} x {layout.cp} "
                           f"(ep is carved out of them and adds no GPUs); use ep in {ok}")
 
 
@@ -312,6 +332,10 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         raise ConfigError(f"order={layout.rank_order!r}: choose one of {', '.join(RANK_ORDERS)}")
     if layout.attn_kernel not in ATTN_KERNELS:
         raise ConfigError(f"attn={layout.attn_kernel!r}: choose one of {', '.join(ATTN_KERNELS)}")
+    if layout.p2p_overlap and (layout.pp == 1 or layout.schedule != "interleaved"):
+        raise ConfigError(f"ppo=1 (pipeline sends beside the next chunk's compute) is Megatron's overlap of the "
+                          f"interleaved schedule: it needs pp > 1 and interleaved, got pp={layout.pp}, "
+                          f"{layout.schedule}; use ppo=0")
     if layout.async_tp and not layout.sp:
         raise ConfigError("atp=1 (async TP) overlaps sequence parallelism's all-gathers and reduce-scatters: it "
                           f"needs tp > 1 with sp=1, got tp={layout.tp}, sp={int(layout.sequence_parallel)}; use "

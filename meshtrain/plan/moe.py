@@ -161,13 +161,23 @@ def ep_times(arch: Arch, layout: Layout, cluster: Cluster, tokens: float, algos:
     return forward, n_moe * 2 * big + recompute * forward
 
 
-def ep_exposed(layout: Layout, ep_f: float, ep_b: float, compute_f: float, compute_b: float) -> tuple[float, float]:
+EP_COMM_SMS = 20
+"""SMs the ep all-to-all's kernels hold while they run beside compute: DeepEP's normal kernels at
+Megatron-Core's default ``moe_deepep_num_sms`` = 20 (``TransformerConfig``; DeepEP's own
+``Buffer.set_num_sms``), the dispatcher the overlapped published run uses."""
+
+
+def ep_exposed(layout: Layout, ep_f: float, ep_b: float, compute_f: float, compute_b: float,
+               sm_count: int = 0) -> tuple[float, float]:
     """The ep all-to-all seconds left on the critical path of one micro-batch (forward, backward):
     all of them in meshtrain (the dispatch waits for its tokens); under a peer's overlap
     (``ep_overlap``, Megatron's ``overlap_moe_expert_parallel_comm``, which runs one micro-batch's
-    forward beside another's backward) only what exceeds the compute they hide behind."""
+    forward beside another's backward) what exceeds the compute they hide behind, or, where larger,
+    what the compute loses to the SMs the all-to-all holds meanwhile (``EP_COMM_SMS`` of
+    ``sm_count``): compute W beside a transfer of T on a share s of the SMs takes max(T, W + s T)."""
     if not layout.ep_overlap:
         return ep_f, ep_b
     total = ep_f + ep_b
-    exposed = max(0.0, total - (compute_f + compute_b))
+    share = EP_COMM_SMS / sm_count if sm_count else 0.0
+    exposed = max(0.0, total - (compute_f + compute_b), share * total)
     return (exposed * ep_f / total, exposed * ep_b / total) if total > 0 else (0.0, 0.0)

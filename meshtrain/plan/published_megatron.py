@@ -1,6 +1,7 @@
 """Megatron-LM's and Megatron-Bridge's published runs on H100: GPT-3 177B strong scaling (Megatron-LM
-README) and the mixtures of experts Qwen3-30B-A3B and DeepSeek-V3 (Megatron-Bridge's 25.09 performance
-summary). Sources and what each leaves unstated are in the constants below and in docs/plan.md."""
+README) and every DGX-H100 row of Megatron-Bridge's 25.09 performance summary (Llama 3 8B, 70B, 405B,
+Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3). Sources and what each leaves unstated are in the
+constants below and in docs/plan.md."""
 
 from __future__ import annotations
 
@@ -37,30 +38,72 @@ MOE_COMMON = ("precision fp8: the table has no precision column; its MBS 2 for Q
               "token distribution'); gradients priced in fp32 (the recipes reduce them in bf16) and the "
               "experts' all-to-all in bf16; TE's cuDNN fused attention (attn=cudnn)")
 
+BRIDGE_DENSE = ("precision fp8 with per-tensor current scaling, as for the MoE rows (the 25.11 table names it "
+                "FP8-CS for the same H100 rows; 725-763 model TFLOP/s/GPU is beyond BF16); no recomputation (the "
+                "Llama recipes and yamls set none); gradients reduced in bf16 (grad_reduce_in_fp32: false; priced "
+                "in fp32); TE's cuDNN fused attention (attn=cudnn); fused kernels (compile); Megatron's rank order "
+                "(order=megatron)")
+BRIDGE_PP = ("the distributed optimizer (zero=1) with overlap_param_gather (opg=1) from llama3.py; "
+             "tp_comm_overlap on (the recipe's CommOverlapConfig) priced as atp=1")
+
+
+def _bridge(name: str, model: str, gpus: int, layout: str, batch: int, seq: int, tps: float, assumed: str) -> PublishedRun:
+    return PublishedRun(f"Megatron-Bridge {name}, {gpus} H100 (25.09)", model, "h100", gpus,
+                        layout + ",ac=none,precision=fp8,attn=cudnn,order=megatron", batch, seq,
+                        "tokens_per_s_per_gpu", tps, MEGATRON_BRIDGE, compile=True, memory_comparable=False,
+                        assumed=assumed)
+
+
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("Megatron GPT-3 177B, 96 H100 (strong scaling)", "gpt-175b", "h100", 96,
-                 "dp=2,tp=8,pp=6,m=576,v=2,interleaved,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
+                 "dp=2,tp=8,pp=6,m=576,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
                  4096, "mfu", 0.47,
                  MEGATRON, compile=True, role="fit", assumed=MEGATRON_ASSUMED),
     PublishedRun("Megatron GPT-3 177B, 2304 H100 (model table)", "gpt-175b", "h100", 2304,
-                 "dp=48,tp=8,pp=6,m=24,v=2,interleaved,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
+                 "dp=48,tp=8,pp=6,m=24,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
                  4096, "mfu", 0.44,
                  MEGATRON, compile=True, assumed=MEGATRON_ASSUMED),
     PublishedRun("Megatron GPT-3 177B, 4608 H100 (strong scaling)", "gpt-175b", "h100", 4608,
-                 "dp=96,tp=8,pp=6,m=12,v=2,interleaved,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
+                 "dp=96,tp=8,pp=6,m=12,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
                  4096, "mfu", 0.42,
                  MEGATRON, compile=True, assumed=MEGATRON_ASSUMED),
+    # Megatron-Bridge 25.09, DGX-H100: the dense rows (recipes: scripts/performance/configs/llama3/
+    # llama3_{8b,70b}_llm_pretrain.yaml, llama31/llama31_405b_llm_pretrain.yaml, recipes/llama/llama3.py)
+    _bridge("Llama3 8B", "llama3-8b", 8, "dp=8,m=16,zero=3", 128, 8192, 14079,
+            "FSDP 1 = Megatron FSDP (use_megatron_fsdp: true in the yaml's fp8 entries; bf16 runs CP 2 "
+            "without it), priced as ZeRO-3 gathering and reduce-scattering each of the 16 micro-batches "
+            "(GA 16, MBS 1); " + BRIDGE_DENSE),
+    _bridge("Llama3 70B", "llama3-70b", 64, "dp=2,tp=4,pp=8,m=64,interleaved,ppo=1,v=5,zero=1,opg=1,atp=1", 128, 8192,
+            1619, "TP 4, PP 8, VP 5 (the yaml's fp8 entries; bf16 runs PP 4 CP 2), GA 64, MBS 1; " + BRIDGE_PP +
+            "; " + BRIDGE_DENSE),
+    _bridge("Llama3.1 405B", "llama3-405b", 1024,
+            "dp=8,tp=8,pp=8,cp=2,m=64,interleaved,ppo=1,v=8,uneven=1,zero=1,opg=1,atp=1", 512, 8192, 302,
+            "TP 8, PP 8, CP 2, VP 8, GA 64, MBS 1; the recipe's account_for_embedding_in_pipeline_split and "
+            "account_for_loss_in_pipeline_split (126 layers + 2 over 64 chunks: 16 layers on the busiest rank) "
+            "priced as uneven=1 (the same 16); TE's ring attention over the kv heads (cpag=0, no kvrep); "
+            + BRIDGE_PP + "; " + BRIDGE_DENSE),
     # mixtures of experts
     PublishedRun("Megatron-Bridge Qwen3-30B-A3B, 16 H100 (25.09, token-drop)", "qwen3-30b-a3b", "h100", 16,
-                 "dp=8,pp=2,m=32,v=24,interleaved,ep=8,zero=1,opg=1,ac=none,precision=fp8,order=megatron,attn=cudnn",
+                 "dp=8,pp=2,m=32,v=24,interleaved,ppo=1,ep=8,zero=1,opg=1,ac=none,precision=fp8,order=megatron,attn=cudnn",
                  512, 4096,
                  "tokens_per_s_per_gpu", 10494, MEGATRON_BRIDGE, compile=True, memory_comparable=False,
                  assumed="TP1 PP2 VP24 EP8 (ETP1) CP1, MBS 2, GBS 512, GA 32, seq 4096 from the table and the yaml; no "
                          "recomputation (the yaml sets recompute_granularity null); token drop at capacity factor 1 "
                          "padded to capacity (apply_moe_token_drop), which under balanced routing computes and sends "
                          "what dropless does; alltoall dispatcher; " + MOE_COMMON),
+    PublishedRun("Megatron-Bridge Qwen3-235B-A22B, 256 H100 (25.09, token-drop)", "qwen3-235b-a22b", "h100", 256,
+                 "dp=16,tp=2,pp=8,m=128,interleaved,ppo=1,v=4,uneven=1,ep=32,zero=1,opg=1,atp=1,ac=none,precision=fp8,"
+                 "order=megatron,attn=cudnn",
+                 2048, 4096, "tokens_per_s_per_gpu", 1204, MEGATRON_BRIDGE, compile=True, memory_comparable=False,
+                 assumed="TP2 PP8 VP4 EP32 ETP1 CP1, MBS 1, GBS 2048, GA 128, seq 4096 from the table and "
+                         "qwen3_235b_a22b_llm_pretrain.yaml; ep folded over tp x dp (Megatron's expert grid with "
+                         "ETP 1); no recomputation (the yaml sets recompute_granularity null); the recipe's "
+                         "account_for_embedding/loss_in_pipeline_split (94 layers + 2 over 32 chunks: 12 on the "
+                         "busiest rank) priced as uneven=1; token drop at capacity factor 1 padded to capacity, "
+                         "alltoall dispatcher (run_script.py, as Qwen3-30B); tp_comm_overlap on priced as atp=1; "
+                         + MOE_COMMON),
     PublishedRun("Megatron-Bridge DeepSeek-V3, 1024 H100 (25.09, dropless)", "deepseek-v3", "h100", 1024,
-                 "dp=64,tp=2,pp=8,m=128,v=4,interleaved,uneven=1,ep=64,epo=1,zero=1,opg=1,ac=op,precision=fp8,"
+                 "dp=64,tp=2,pp=8,m=128,v=4,interleaved,ppo=1,uneven=1,ep=64,epo=1,zero=1,opg=1,ac=op,precision=fp8,"
                  "order=megatron,attn=cudnn",
                  8192, 4096, "tokens_per_s_per_gpu", 1297, MEGATRON_BRIDGE, compile=True,
                  memory_comparable=False,

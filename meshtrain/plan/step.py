@@ -135,10 +135,14 @@ def predict(arch: Arch, cluster: Cluster, layout: Layout, global_batch: int, seq
         same = group_of(layout, cluster, ("pp",)).local > 1
         send = p2p(tokens * arch.dim / (layout.tp if layout.sp else 1) * act, same, cluster)
         pp_f = pp_b = send * layout.virtual
+        if layout.p2p_overlap:  # each chunk's transfer runs beside the next chunk's compute
+            pp_f = layout.virtual * max(0.0, send - sc.forward / layout.virtual)
+            pp_b = layout.virtual * max(0.0, send - sc.backward / layout.virtual)
         algos["pp"] = "p2p"
 
     # expert parallelism: the MoE layers' token all-to-alls (exposed unless a peer's overlap hides them)
-    ep_f, ep_b = ep_exposed(layout, *ep_times(arch, layout, cluster, tokens, algos), sc.forward, sc.backward)
+    ep_f, ep_b = ep_exposed(layout, *ep_times(arch, layout, cluster, tokens, algos), sc.forward, sc.backward,
+                            cluster.sm_count)
 
     # a block timed with its collectives (this-host) already holds tp and cp: the breakdown below
     # still shows their analytic share, taken out of compute

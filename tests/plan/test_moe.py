@@ -156,6 +156,25 @@ def test_ep_on_a_dense_model_is_a_config_error():
         validate(layout, ARCHS["llama3-8b"], 8, 64, 4096)
 
 
+def test_megatron_order_folds_ep_over_tp_as_its_expert_grid_does():
+    # Megatron's expert grid with ETP 1: EP x expert-DP = TP x DP x CP, so ep may span tp ranks
+    # (Qwen3-235B-A22B: TP 2, DP 16, EP 32); meshtrain's ep is carved out of dp_shard x cp only
+    folded = parse_layout("dp=4,tp=2,ep=8,zero=1,order=megatron")
+    validate(folded, SMALL, 8, 64, 512)
+    with pytest.raises(ConfigError, match="does not divide dp_shard x cp = 4 x 1.*use ep in \\[1, 2, 4\\]"):
+        validate(replace(folded, rank_order="meshtrain"), SMALL, 8, 64, 512)
+    with pytest.raises(ConfigError, match="does not divide tp x dp_shard x cp = 2 x 4 x 1.*\\[1, 2, 4, 8\\]"):
+        validate(parse_layout("dp=4,tp=2,ep=16,order=megatron"), SMALL, 8, 64, 512)
+    # every rank holds 1/8 of the routed experts, none replicated: no expert data parallelism left
+    assert folded.expert_shards == 1
+    assert stage_param_split(SMALL, folded)[1] == SMALL.moe_layers * SMALL.routed_params_per_layer() / 8
+    # the dense mesh is untouched: dp stays 4 ranks, ep is 8 consecutive ranks (tp innermost)
+    assert group_of(folded, H100, ("dp",)).size == 4 and group_of(folded, H100, ("ep",)).size == 8
+    # a fold within dp_shard x cp is priced as before
+    inside = parse_layout("dp=8,tp=2,ep=4,zero=1,order=megatron")
+    assert inside.expert_shards == 2 * 8 // 4 == replace(inside, rank_order="meshtrain").expert_shards
+
+
 def test_layout_label_round_trips_ep():
     layout = parse_layout("dp=64,tp=2,pp=8,m=8,ep=64,epo=1,order=megatron,zero=1")
     assert parse_layout(layout.label()) == layout

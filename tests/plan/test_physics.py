@@ -194,3 +194,34 @@ def test_search_prices_async_tp_only_where_the_runtime_has_it():
     assert not any(p.layout.async_tp for p in without)
     with_atp = search(arch, H100, 8, 16, 2048, {"compile": True, "zero_stage": 1, "async_tp": True}, top=50)
     assert all(p.layout.async_tp == (p.layout.tp > 1) for p in with_atp)
+
+
+def test_megatrons_p2p_overlap_hides_each_pipeline_transfer_behind_the_next_chunks_compute():
+    # 70B on 64 GPUs, pipeline hops across nodes (Megatron's order): each of the v chunks sends its
+    # output and its input gradient; overlapped, only the part longer than a chunk's compute is left
+    layout = parse_layout("dp=2,tp=4,pp=8,m=64,interleaved,v=5,zero=1,ac=none,order=megatron", compile=True)
+    plain = predict(L70B, H100, layout, 128, 8192)
+    over = predict(L70B, H100, dataclasses.replace(layout, p2p_overlap=True), 128, 8192)
+    assert plain.parts["pp"] > 0.1 and over.parts["pp"] == 0.0  # 30 ms chunks hide a 1 ms hop
+    assert over.step_time == pytest.approx(plain.step_time - plain.parts["pp"], rel=0.02)
+    assert parse_layout(over.layout.label(), compile=True) == over.layout and "ppo=1" in over.layout.label()
+    # Megatron overlaps only the interleaved schedule's transfers
+    with pytest.raises(ConfigError, match="ppo=1.*needs pp > 1 and interleaved.*use ppo=0"):
+        validate(parse_layout("dp=2,tp=4,pp=8,m=64,1f1b,ppo=1"), L70B, 64, 128, 8192)
+    # --search keeps a peer's overlap on its interleaved candidates only
+    fixed = {"compile": True, "zero_stage": 1, "p2p_overlap": True, "schedule": "1f1b"}
+    assert not any(p.layout.p2p_overlap for p in search(L70B, H100, 64, 128, 8192, fixed, top=5))
+
+
+def test_an_overlapped_ep_all_to_all_costs_the_compute_the_sms_it_holds():
+    # DeepSeek-V3 as Megatron-Bridge ran it: the all-to-all (about as long as the compute beside it)
+    # holds 20 of the H100's 132 SMs, so the compute beside it runs that much slower
+    from meshtrain.plan.moe import EP_COMM_SMS, ep_exposed
+    layout = parse_layout("dp=64,tp=2,pp=8,m=128,v=4,interleaved,ep=64,epo=1,zero=1,order=megatron")
+    assert ep_exposed(layout, 0.07, 0.07, 0.04, 0.10) == pytest.approx((0.0, 0.0))  # no SMs given: hidden
+    f, b = ep_exposed(layout, 0.07, 0.07, 0.04, 0.10, sm_count=132)
+    assert f + b == pytest.approx(EP_COMM_SMS / 132 * 0.14)
+    # a transfer longer than compute + its share is exposed by the difference, as before
+    assert sum(ep_exposed(layout, 0.2, 0.2, 0.04, 0.10, sm_count=132)) == pytest.approx(0.26)
+    # without Megatron's overlap everything is exposed, whatever the SMs
+    assert ep_exposed(dataclasses.replace(layout, ep_overlap=False), 0.07, 0.07, 0.04, 0.10, 132) == (0.07, 0.07)

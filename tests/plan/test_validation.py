@@ -116,6 +116,8 @@ TOML_FIELDS = [
     ("hbm_efficiency", "-0.7", "hbm_efficiency = -0.7 must be > 0"),
     ("fp8_speedup", "0.5", "fp8_speedup = 0.5 must be >= 1"),
     ("gemm_k0", "-720", "gemm_k0 = -720 must be >= 0"),
+    ("sm_count", "-1", "sm_count = -1 must be >= 0"),
+    ("sm_count", "132.5", "sm_count = 132.5 must be a whole number"),
     ("eager_elementwise_passes", "0.5", "eager_elementwise_passes = 0.5 must be >= 1"),
     ("reserved_bytes", "-1", "reserved_bytes = -1 must be >= 0"),
     ("reserved_bytes", "1e15", "reserved_bytes = 1e+15 leaves nothing of memory_bytes"),
