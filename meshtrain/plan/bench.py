@@ -1,7 +1,10 @@
 """``meshtrain bench plan``: run ``meshtrain train`` briefly on (model, layout) pairs on this host
 and set the planner's predicted step time and peak memory beside the measured ones.
 
-Each pair runs as its own ``meshtrain train`` process tree (CPU ranks on this host); the measured
+Each pair runs as its own ``meshtrain train`` process tree (CPU ranks on this host), ``--trials``
+times, the trials interleaved (every pair once, then again): a trial predicts (profiling this host
+as it is then) and measures right after, and the pair reports the median of its trials' ratios, so a
+spell of a busier machine slows both sides of one trial rather than one side of the pair. The measured
 step time is the median ``step_s`` of rank 0's ``metrics.jsonl`` after the first two steps (warm-up),
 the measured memory its ``peak_mem_bytes`` (the resident set's high-water mark, which also holds the
 Python interpreter and torch: the prediction holds only what training adds). The prediction uses
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,10 +91,24 @@ def compare(model: str, layout_text: str, cluster: Cluster, steps: int, global_b
             "mem_ratio": pred.memory.total / got["peak_mem_bytes"], "predicted_parts": pred.parts}
 
 
+def combine(trials: list[dict]) -> dict:
+    """One pair's row over its interleaved trials: the median of each measure and of each ratio (the
+    ratios per trial, a trial's two sides taken minutes apart at most), the trials' step ratios (their
+    spread), and the breakdown of the trial whose step ratio is the median."""
+    ratios = sorted(t["step_ratio"] for t in trials)
+    middle = min(trials, key=lambda t: abs(t["step_ratio"] - statistics.median(ratios)))
+    numbers = [k for k, v in trials[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    row = {k: statistics.median(t[k] for t in trials) for k in numbers}
+    return {"model": trials[0]["model"], "layout": trials[0]["layout"], **row, "step_ratios": ratios,
+            "trials": len(trials), "predicted_parts": middle["predicted_parts"]}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``meshtrain bench plan`` options."""
     parser.add_argument("--pairs", type=int, default=len(PAIRS), help="run the first N (model, layout) pairs")
     parser.add_argument("--steps", type=int, default=6, help="training steps per pair")
+    parser.add_argument("--trials", type=int, default=3,
+                        help="interleaved trials per pair (each predicts and measures; the row is their median)")
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="sequences per step")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
@@ -117,14 +135,24 @@ def main(args: argparse.Namespace) -> int:
         else:
             print_table(rows)
         return 0
+    if args.trials < 1 or args.pairs < 1 or args.steps < 3:
+        print(f"meshtrain bench plan: error: --trials {args.trials}, --pairs {args.pairs}, --steps {args.steps}: "
+              f"need at least 1 trial, 1 pair and 3 steps (2 are warm-up); use e.g. --trials 3", file=sys.stderr)
+        return 2
     cluster = this_host()
     print(f"# this-host: peak {cluster.peak_flops / 1e9:.1f} GFLOP/s over {cluster.cores} cores, {cluster.notes}")
     if not args.json:
         print(f"{'model':<6} {'layout':<40} {'pred s':>8} {'median s':>8} {'ratio':>6} {'best s':>8} {'ratio':>6} "
               f"{'pred MiB':>9} {'RSS MiB':>8}")
+    pairs = PAIRS[:args.pairs]
+    trials: list[list[dict]] = [[] for _ in pairs]
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-plan-") as tmp:
-        for i, (model, layout) in enumerate(PAIRS[:args.pairs]):
-            row = compare(model, layout, cluster, args.steps, args.global_batch, args.seq, Path(tmp) / str(i))
+        for trial in range(args.trials):
+            for i, (model, layout) in enumerate(pairs):
+                trials[i].append(compare(model, layout, cluster, args.steps, args.global_batch, args.seq,
+                                         Path(tmp) / f"{trial}-{i}"))
+        rows = [combine(t) for t in trials]
+        for row in rows:
             if args.json:
                 print(json.dumps(row))
             else:
@@ -132,4 +160,9 @@ def main(args: argparse.Namespace) -> int:
                       f"{row['measured_step_s']:>8.4f} {row['step_ratio']:>6.2f} "
                       f"{row['best_step_s']:>8.4f} {row['best_step_ratio']:>6.2f} "
                       f"{row['predicted_mem_bytes'] / 2**20:>9.0f} {row['measured_mem_bytes'] / 2**20:>8.0f}")
+    step = sorted(abs(r["step_ratio"] - 1) for r in rows)
+    mem = sorted(abs(r["mem_ratio"] - 1) for r in rows)
+    print(f"# {len(rows)} pairs, {args.trials} interleaved trials each: step time median |error| "
+          f"{statistics.median(step):.1%}, worst {step[-1]:.1%}; memory median {statistics.median(mem):.1%}, "
+          f"worst {mem[-1]:.1%}")
     return 0

@@ -62,3 +62,24 @@ def test_collect_without_runs_exits_2_naming_the_folder(tmp_path, capsys, what):
     assert main(["bench", "plan", "--collect", str(folder)]) == 2
     err = capsys.readouterr().err
     assert str(folder) in err and ("no such directory" in err if what == "missing" else "no summary.json" in err)
+
+
+def test_a_pair_over_interleaved_trials_is_the_median_of_each_trials_ratio():
+    from meshtrain.plan.bench import combine
+
+    def trial(pred, meas, parts):
+        return {"model": "5m", "layout": "dp=2", "predicted_step_s": pred, "measured_step_s": meas,
+                "step_ratio": pred / meas, "predicted_mem_bytes": 300.0, "measured_mem_bytes": 310,
+                "mem_ratio": 300 / 310, "predicted_parts": parts}
+    # a busy spell slows both sides of the second trial: its ratio stays, the medians of each side move
+    row = combine([trial(0.10, 0.10, "a"), trial(0.30, 0.27, "b"), trial(0.11, 0.12, "c")])
+    assert row["step_ratio"] == 1.0 and row["step_ratios"] == [0.11 / 0.12, 1.0, 0.30 / 0.27]
+    assert row["predicted_step_s"] == 0.11 and row["measured_step_s"] == 0.12 and row["trials"] == 3
+    assert row["predicted_parts"] == "a" and row["measured_mem_bytes"] == 310 and row["mem_ratio"] == 300 / 310
+
+
+@pytest.mark.parametrize("flag", [["--trials", "0"], ["--pairs", "0"], ["--steps", "2"]])
+def test_bench_plan_refuses_a_count_it_cannot_measure(flag, capsys):
+    assert main(["bench", "plan", *flag]) == 2
+    out, err = capsys.readouterr()
+    assert "need at least 1 trial, 1 pair and 3 steps" in err and out == ""
