@@ -7,7 +7,10 @@ such table; the styles are its vocabulary:
 * ``colwise``: a ``ColumnParallelLinear`` (weight and bias split by output rows);
 * ``rowwise``: a ``RowParallelLinear`` (weight split by input columns; its partial outputs summed);
 * ``vocab``: a ``VocabParallelEmbedding`` (rows of the vocabulary split);
-* ``sequence_norm``: with sequence parallelism only, a norm applied to this rank's sequence slice.
+* ``sequence_norm``: with sequence parallelism only, a norm applied to this rank's sequence slice;
+* ``shared_input``: a module whose column-parallel children all read its input (attention's q, k,
+  v; the MLP's w1, w3): it all-gathers that input once (with sequence parallelism) or all-reduces
+  its gradient once, not once per child.
 
 q, k, v are split by heads through their output rows (rank r holds q heads r*hq/tp.. and the KV
 heads they use), and the output projection by its input columns, so attention needs no
@@ -22,11 +25,13 @@ from typing import Any
 TP_PLAN: dict[str, str] = {
     "tok_emb": "vocab",
     "layers.*.attn_norm": "sequence_norm",
+    "layers.*.attn": "shared_input",
     "layers.*.attn.wq": "colwise",
     "layers.*.attn.wk": "colwise",
     "layers.*.attn.wv": "colwise",
     "layers.*.attn.wo": "rowwise",
     "layers.*.mlp_norm": "sequence_norm",
+    "layers.*.mlp": "shared_input",
     "layers.*.mlp.w1": "colwise",
     "layers.*.mlp.w3": "colwise",
     "layers.*.mlp.w2": "rowwise",

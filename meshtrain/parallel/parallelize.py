@@ -26,7 +26,7 @@ from .context import ring_attention
 from .data import DataParallel
 from .expert import apply_expert_parallel
 from .grad_groups import ReduceGroup
-from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, prepare_shared_input
 from .tensor_comm import CopyToTP
 from .precision import MixedPrecision
 from .zero import ZeroModel
@@ -76,9 +76,11 @@ def _sequence_norm(norm: RMSNorm, group: Group, sp: bool) -> nn.Module:
 
 
 TP_STYLES: dict[str, Callable[[Any, Group, bool], nn.Module]] = {
-    "colwise": _column, "rowwise": _row, "vocab": _vocab, "sequence_norm": _sequence_norm}
+    "colwise": _column, "rowwise": _row, "vocab": _vocab, "sequence_norm": _sequence_norm,
+    "shared_input": prepare_shared_input}
 """The styles a tensor-parallel plan (``models.llama_plan.TP_PLAN``) may name: module -> its
-tp-split replacement, given the tp group and whether sequence parallelism is on."""
+tp-split replacement, given the tp group and whether sequence parallelism is on. ``shared_input``
+applies after the others (it marks the column-parallel children they made)."""
 
 
 def apply_tensor_parallel(model: Llama, group: Group, sequence_parallel: bool = False,
@@ -90,12 +92,15 @@ def apply_tensor_parallel(model: Llama, group: Group, sequence_parallel: bool = 
     unknown = sorted(set(plan.values()) - set(TP_STYLES))
     if unknown:
         raise ConfigError(f"tensor-parallel plan names unknown styles {unknown}; use {sorted(TP_STYLES)}")
-    for name, module in list(model.named_modules()):
-        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if style is None:
-            continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, TP_STYLES[style](module, group, sequence_parallel))
+    matched = [(name, next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None))
+               for name, _ in model.named_modules()]
+    for last in (False, True):  # shared_input last: it marks the column-parallel children made first
+        for name, style in matched:
+            if style is None or (style == "shared_input") != last:
+                continue
+            parent, _, leaf = name.rpartition(".")
+            module = model.get_submodule(name)
+            setattr(model.get_submodule(parent), leaf, TP_STYLES[style](module, group, sequence_parallel))
     tie_weights(model)
 
 

@@ -27,7 +27,9 @@ class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ + b with W split by output rows: each rank computes ``out_features / tp`` outputs.
 
     Input: the full activation (its gradient is all-reduced: ``CopyToTP``), or with
-    ``sequence_parallel`` this rank's sequence slice, all-gathered first (``GatherFromSP``).
+    ``sequence_parallel`` this rank's sequence slice, all-gathered first (``GatherFromSP``); or, with
+    ``input_prepared`` (set by ``prepare_shared_input``), an input its parent module already passed
+    through that op once for all its column-parallel children.
     Output: this rank's columns, or all of them with ``gather_output``.
     """
 
@@ -35,6 +37,7 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.input_prepared = False
         self.out_local = _divide(out_features, group.size, "out_features")
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features))
         self.bias = nn.Parameter(torch.zeros(self.out_local)) if bias else None
@@ -53,9 +56,37 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in_features) -> (..., out_features / tp) or (..., out_features)."""
-        x = GatherFromSP.apply(x, self.group, 1) if self.sequence_parallel else CopyToTP.apply(x, self.group)
+        if not self.input_prepared:
+            x = prepare_input(x, self.group, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
         return GatherFromTP.apply(y, self.group) if self.gather_output else y
+
+
+def prepare_input(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """What a column-parallel linear's input goes through: all-gathered along the sequence (its
+    gradient reduce-scattered back) with sequence parallelism, else identity (its gradient
+    all-reduced)."""
+    return GatherFromSP.apply(x, group, 1) if sequence_parallel else CopyToTP.apply(x, group)
+
+
+def prepare_shared_input(module: nn.Module, group: Group, sequence_parallel: bool) -> nn.Module:
+    """Have ``module`` prepare its first input once (``prepare_input``) for the column-parallel linears
+    among its children, which all read it (attention's q, k, v; the MLP's w1, w3), as Megatron and
+    torchtitan's ``PrepareModuleInput`` do: one all-gather forward and one reduce-scatter (or
+    all-reduce) backward for the sub-block instead of one per linear, and one gathered copy of the
+    input saved for backward instead of one per linear. A module without such children is left as
+    it is (a MoE layer routes its own sequence slice)."""
+    columns = [c for c in module.children() if isinstance(c, ColumnParallelLinear)]
+    if not columns:
+        return module
+    for c in columns:
+        c.input_prepared = True
+
+    def hook(_: nn.Module, args: tuple) -> tuple:
+        return (prepare_input(args[0], group, sequence_parallel), *args[1:])
+
+    module.register_forward_pre_hook(hook)
+    return module
 
 
 class RowParallelLinear(nn.Module):

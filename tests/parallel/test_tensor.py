@@ -97,3 +97,40 @@ def test_sizes_that_do_not_divide_by_tp_are_config_errors():
         return True
 
     assert all(comm.run_local(4, fn, timeout=30))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_sub_blocks_column_linears_share_one_collective_on_their_input(sp, monkeypatch):
+    # q, k, v read one input, w1 and w3 another: one all-gather (sequence parallel) or one backward
+    # all-reduce each, as Megatron and torchtitan do, not one per linear (5 a block before)
+    from meshtrain.models.llama import Llama, LlamaConfig
+    from meshtrain.parallel import tensor_comm
+    from meshtrain.parallel.parallelize import apply_tensor_parallel
+
+    layers, tp = 3, 2
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=32, max_seq_len=16)
+    calls: dict[str, int] = {"all_gather": 0, "all_reduce": 0}
+    for name in calls:
+        real = getattr(tensor_comm, f"_{name}")
+
+        def counted(*args, _real=real, _name=name):
+            if comm.current().rank == 0:
+                calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(tensor_comm, f"_{name}", counted)
+
+    def fn(rank):
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        apply_tensor_parallel(model, comm.current().world, sequence_parallel=sp)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape) * 0.1)
+        model(torch.randint(0, 32, (2, 8))).float().sum().backward()
+        return True
+
+    assert all(comm.run_local(tp, fn, timeout=60))
+    if sp:  # forward: per block attention + MLP, and the head; backward: the row-parallel outputs' grads, the embedding's
+        assert calls["all_gather"] == (2 * layers + 1) + (2 * layers + 1)
+    else:  # forward: per block wo, w2, and the embedding; backward: per block attention + MLP, and the head
+        assert calls["all_reduce"] == (2 * layers + 1) + (2 * layers + 1)
