@@ -8,8 +8,11 @@ fp32 moments: 4 + 4 + 8 = 16 bytes per parameter, sharded over the dp x cp group
 Activations per block and token follow Korthikanti et al. 2022 (arXiv 2205.05198), sbh(34 + 5as/h)
 bytes for GPT without parallelism, redone for what meshtrain's block keeps with a fused attention
 (no s x s scores): the two norms' inputs and outputs (4h, split over tp only with sequence
-parallelism), q, k, v and the attention output (2h + 2·kv), and the MLP's inputs to its last matrix
-(3·ffn for SwiGLU, 2·ffn for GELU), split over tp; times the activation's bytes. For GPT-3 this is
+parallelism), with sequence parallelism the all-gathered inputs of the attention and the MLP (2h,
+whole: meshtrain's and torchtitan's column-parallel linears save the gathered input for their weight
+gradient; Megatron saves its shard and gathers again in backward, not modelled), q, k, v and the
+attention output (2h + 2·kv), and the MLP's inputs to its last matrix (3·ffn for SwiGLU, 2·ffn for
+GELU), split over tp; times the activation's bytes. For GPT-3 this is
 32h bytes per token, Korthikanti's 34h without the dropout masks.
 
 A mixture-of-experts model's routed experts are held E/ep per rank, whole (not tp-split), and ZeRO
@@ -70,6 +73,8 @@ def activation_bytes_per_token(arch: Arch, layout: Layout, moe: bool = False) ->
     """Bytes one block (a MoE block if ``moe``) keeps for backward per token on this rank, without
     checkpointing."""
     stream = 4 * arch.dim / (layout.tp if layout.sp else 1)
+    if layout.sp and layout.tp > 1:  # the attention's (and a dense MLP's) all-gathered input, which its
+        stream += arch.dim * (1 if moe else 2)  # column-parallel linears save whole for their weight gradient
     split = (arch.q_dim + arch.o_dim + 2 * arch.kv_dim) / layout.tp
     split += moe_activations(arch, layout)[0] if moe else (3 if arch.gated_mlp else 2) * arch.ffn_dim / layout.tp
     return (stream + split) * ACT_BYTES[layout.precision]

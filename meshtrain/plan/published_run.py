@@ -50,8 +50,9 @@ class PublishedRun:
     """What the source leaves unstated, with the value priced (or "not modelled")."""
     memory_comparable: bool = True
     """False where the framework keeps a different set of states than meshtrain (Megatron's bf16
-    weights and gradients with a sharded fp32 optimizer, FP8-saved activations), so a "does not fit"
-    of meshtrain's memory model says nothing about the published run."""
+    weights and gradients with a sharded fp32 optimizer, its sequence-parallel shards re-gathered in
+    backward, FP8-saved activations), so a "does not fit" of meshtrain's memory model says nothing
+    about the published run."""
 
 
 def metric_of(pred: Prediction, metric: str) -> float:
