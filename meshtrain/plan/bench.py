@@ -29,7 +29,13 @@ from .clusters import Cluster
 from .corun import stop as stop_profiling
 from .host import this_host
 from .layout import parse_layout
+from .profile import block_seconds, head_seconds, optimizer_seconds
+from .profile_parallel import collective_latency, parallel_block_seconds
 from .step import predict
+
+PROFILES = (block_seconds, head_seconds, optimizer_seconds, parallel_block_seconds, collective_latency)
+"""The planner's timings of this host, kept per process: forgotten at each trial's start, so that every
+trial prices its pairs from timings taken beside its own measurements."""
 
 PAIRS: tuple[tuple[str, str], ...] = (
     ("test", "dp=1"), ("test", "dp=2"), ("test", "dp=2,zero=3"), ("test", "tp=2"), ("test", "dp=2,tp=2"),
@@ -148,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
     trials: list[list[dict]] = [[] for _ in pairs]
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-plan-") as tmp:
         for trial in range(args.trials):
+            for profile in PROFILES:
+                profile.cache_clear()
             for i, (model, layout) in enumerate(pairs):
                 trials[i].append(compare(model, layout, cluster, args.steps, args.global_batch, args.seq,
                                          Path(tmp) / f"{trial}-{i}"))
