@@ -25,7 +25,9 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((group.size * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
     comm.all_gather_into_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    # contiguous once here: every linear reading the gathered input would otherwise flatten it into a
+    # copy of its own (and save that copy for its weight gradient)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

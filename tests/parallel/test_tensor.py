@@ -134,3 +134,33 @@ def test_a_sub_blocks_column_linears_share_one_collective_on_their_input(sp, mon
         assert calls["all_gather"] == (2 * layers + 1) + (2 * layers + 1)
     else:  # forward: per block wo, w2, and the embedding; backward: per block attention + MLP, and the head
         assert calls["all_reduce"] == (2 * layers + 1) + (2 * layers + 1)
+
+
+def test_a_sub_blocks_gathered_input_is_saved_once_for_all_its_linears():
+    # with sequence parallelism the gathered input is made contiguous once, so q, k, v (and w1, w3)
+    # save the same tensor for their weight gradients instead of a flattened copy each
+    from meshtrain.models.llama import Llama, LlamaConfig
+    from meshtrain.parallel.parallelize import apply_tensor_parallel
+
+    layers, tokens, dim = 3, 2 * 8, 16
+    # widths chosen apart: a rank's q is 8 wide, its MLP hidden 24, its sequence slice 8 tokens
+    cfg = LlamaConfig(vocab_size=32, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+
+    def fn(rank):
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        apply_tensor_parallel(model, comm.current().world, sequence_parallel=True)
+        storages: dict[int, tuple] = {}
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved too: not counted
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                storages[t.untyped_storage().data_ptr()] = (t.numel() // t.shape[-1], t.shape[-1])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, 32, (2, 8)))
+        return sum(shape == (tokens, dim) for shape in storages.values())
+
+    # per block the attention's and the MLP's gathered input, and the head's: 2 x layers + 1
+    assert comm.run_local(2, fn, timeout=60) == [2 * layers + 1] * 2
