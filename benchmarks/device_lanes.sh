@@ -7,7 +7,9 @@
 #   lane B, cores 8-13, GPU hidden: the same at p=4, the bucket-size sweep (5m; p=2,4) and the
 #           switched-import bench with its compute floor (issue 36, 4 cores);
 #   lane G, cores 14-15: meshtrain train on the GPU (1b compiled, 8b full AC), each run's summary.json
-#           holding the planner's prediction beside the measurement, collected (issue 34).
+#           holding the planner's prediction beside the measurement, collected (issue 34); then one
+#           cp rank's ring-attention calls at CP 1, 2, 4, 8 against the planner's kernel time
+#           (benchmarks/ring_rank.py: torchtitan's T2 rows, issue 34).
 # Every ratio is against its peer in the same process set, interleaved; the lanes share memory
 # bandwidth, which both sides of a ratio see. Each step has a time limit and writes its output as it
 # goes, so a step cut short still leaves what it finished. Everything ends up in one archive,
@@ -70,6 +72,7 @@ lane_g() {
         --train.global_batch=1 --train.steps=4 --train.warmup_steps=1 --comm.transport=local \
         --checkpoint.enabled=false --no-progress --out="$OUT/runs/8b"
     step G plan-collect 30 "$PY" -m meshtrain.cli bench plan --collect "$OUT/runs"
+    step G ring-rank 120 taskset -c "$G_CPUS" "$PY" benchmarks/ring_rank.py 1,2,4,8 3
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt" 2>&1
