@@ -54,10 +54,11 @@ def _calls(cp: int, rank: int) -> list[tuple[str, bool]]:
     return [("all", True)] + [("half_kv" if i <= rank else "half_q", False) for i in range(1, cp)]
 
 
-def rank_layer(cp: int, local: int, device: str, dtype: torch.dtype) -> tuple[float, float]:
+def rank_layer(cp: int, local: int, device: str, dtype: torch.dtype, heads: int = HEADS,
+               head_dim: int = HEAD_DIM) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ring attention on the middle rank of ``cp``."""
     rank, c = cp // 2, local // 2
-    shape = (1, HEADS, local, HEAD_DIM)
+    shape = (1, heads, local, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
     calls = _calls(cp, rank)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -65,7 +66,7 @@ def rank_layer(cp: int, local: int, device: str, dtype: torch.dtype) -> tuple[fl
     sync()
     t0 = time.perf_counter()
     out = torch.zeros(shape, device=device, dtype=torch.float32)
-    lse = torch.full((1, HEADS, local, 1), -float("inf"), device=device, dtype=torch.float32)
+    lse = torch.full((1, heads, local, 1), -float("inf"), device=device, dtype=torch.float32)
     kept = []
     for kind, causal in calls:
         qq, kk, vv = (q[:, :, c:], k, v) if kind == "half_q" else \
@@ -122,14 +123,11 @@ def main(argv: list[str]) -> int:
     repeats = int(args[1]) if len(args) > 1 else 3
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    local = 256 if tiny else LOCAL
-    global HEADS, HEAD_DIM
-    if tiny:
-        HEADS, HEAD_DIM = 2, 16
-    rank_layer(cps[0], local, device, dtype)  # warm-up: kernels, allocator
+    local, shape = (256, (2, 16)) if tiny else (LOCAL, (HEADS, HEAD_DIM))
+    rank_layer(cps[0], local, device, dtype, *shape)  # warm-up: kernels, allocator
     rows = []
     for cp in cps:
-        times = [rank_layer(cp, local, device, dtype) for _ in range(repeats)]
+        times = [rank_layer(cp, local, device, dtype, *shape) for _ in range(repeats)]
         f, b = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
         row = {"cp": cp, "seq": local * cp, "forward_s": f, "backward_s": b}
         pred = None if tiny else predicted(cp, local)

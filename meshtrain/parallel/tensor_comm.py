@@ -25,9 +25,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((group.size * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
     comm.all_gather_into_tensor(out, moved, group=group)
-    # contiguous once here: every linear reading the gathered input would otherwise flatten it into a
-    # copy of its own (and save that copy for its weight gradient)
-    return out.movedim(0, dim).contiguous()
+    return out.movedim(0, dim)
 
 
 def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -121,7 +119,9 @@ class GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
+        # contiguous once here: every linear reading the gathered input would otherwise flatten the
+        # strided view into a copy of its own (and save that copy for its weight gradient)
+        return _all_gather(x, dim, group).contiguous()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
