@@ -30,6 +30,7 @@ import meshtrain.comm as mc
 from meshtrain.comm.algorithms import algorithms_for
 
 from tests.comm._reference import assert_reduced, make_input, reduce_ref
+from tests.hosts._say import say
 
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "all_to_all", "gather", "scatter", "barrier")
@@ -127,10 +128,10 @@ class Matrix:
         try:
             fn()
             if self.verbose:
-                print(f"case rank {self.rank} {time.monotonic() - t0:6.2f}s {name}", flush=True)
+                say(f"case rank {self.rank} {time.monotonic() - t0:6.2f}s {name}")
         except AssertionError as exc:
             self.fails.append(f"FAIL rank {self.rank}: {name}: {str(exc)[:300]}")
-            print(self.fails[-1], flush=True)
+            say(self.fails[-1])
         except Exception as exc:
             raise RuntimeError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
@@ -305,14 +306,14 @@ def main() -> int:
             groups = {k: v for k, v in every.items() if not phase.groups or k in phase.groups.split(",")}
             run_matrix(m, phase, groups, made, sync)
     except Exception:  # noqa: BLE001 - reported, then the process ends without waiting on its peers
-        print(f"ERROR rank {rank} after {time.monotonic() - t0:.1f}s, {m.cases} cases: "
-              f"{traceback.format_exc(limit=3)}", flush=True)
+        say(f"ERROR rank {rank} after {time.monotonic() - t0:.1f}s, {m.cases} cases: "
+            f"{traceback.format_exc(limit=3)}")
         os._exit(1)
     mc.destroy()
     if m.fails:
-        print(f"FAILED rank {rank}: {len(m.fails)} of {m.cases} cases", flush=True)
+        say(f"FAILED rank {rank}: {len(m.fails)} of {m.cases} cases")
         return 1
-    print(f"OK rank {rank}: {m.cases} cases in {time.monotonic() - t0:.1f}s", flush=True)
+    say(f"OK rank {rank}: {m.cases} cases in {time.monotonic() - t0:.1f}s")
     return 0
 
 

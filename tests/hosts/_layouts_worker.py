@@ -24,6 +24,8 @@ import torch._dynamo  # noqa: F401 - every rank imports it (torch's optimizers d
 import meshtrain.train.trainer  # noqa: F401 - what main_torchrun imports when it runs
 from meshtrain.train.launch import main_torchrun
 
+from _say import say  # this script's folder is on sys.path
+
 if __name__ == "__main__":
     phases: list[list[str]] = [[]]
     for arg in sys.argv[1:]:
@@ -35,4 +37,4 @@ if __name__ == "__main__":
         if pid == 0:  # the child: the phase's run, its exit as the interpreter's (atexit, flushed streams)
             sys.exit(main_torchrun(args))
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        print(f"layout {name}: rank {os.environ['RANK']} exit {code}", flush=True)
+        say(f"layout {name}: rank {os.environ['RANK']} exit {code}")
