@@ -232,6 +232,22 @@ MPT_SHAPES = {"mpt-1b": (24, 2048, 16), "mpt-3b": (32, 2560, 20), "mpt-7b": (32,
 ARCHS.update({name: Arch(name, layers, dim, heads, heads, 4 * dim, 50368, gated_mlp=False, tie_embeddings=True,
                          norm="layernorm", rotary=False) for name, (layers, dim, heads) in MPT_SHAPES.items()})
 
+# Megatron-LM's weak-scaling GPT models (its README of April 2021, the table images/cases_april2021.png,
+# commit b83477a3e8: hidden size and layers; heads from the paper's Table 1, arXiv 2104.04473):
+# GPT-2-style blocks, vocabulary 51,200, the word embedding tied to the output head. Under a pipeline
+# Megatron keeps the tied table's copy on the last stage (its gradient all-reduced with the first's):
+# those models (39B on) are priced untied, which is what each stage holds and computes.
+MEGATRON_2021_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": (36, 4096, 32),
+                        "18b": (40, 6144, 48), "39b": (48, 8192, 64), "76b": (60, 10240, 80),
+                        "145b": (80, 12288, 96), "310b": (96, 16384, 128), "530b": (105, 20480, 128),
+                        "1t": (128, 25600, 160)}
+UNPIPELINED = ("1.7b", "3.6b", "7.5b", "18b")
+"""The models the table runs without a pipeline: their head stays tied."""
+ARCHS.update({f"megatron-gpt-{size}": Arch(f"megatron-gpt-{size}", layers, dim, heads, heads, 4 * dim, 51200,
+                                           gated_mlp=False, tie_embeddings=size in UNPIPELINED, norm="layernorm",
+                                           rotary=False)
+              for size, (layers, dim, heads) in MEGATRON_2021_SHAPES.items()})
+
 
 def from_llama_config(name: str, cfg: LlamaConfig) -> Arch:
     """The shape of a meshtrain ``LlamaConfig``."""

@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from ..train.metrics import flops_per_token
 from .architectures import Arch
+from .attention_unfused import unfused_attention_seconds
 from .clusters import FA2_OVER_FA1, Cluster
 from .layout import Layout
 from .profile import block_seconds, head_seconds, profileable, threads_per_rank
@@ -235,7 +236,10 @@ def layer_forward_parts(arch: Arch, layout: Layout, cluster: Cluster, tokens: in
     # per token when not causal (q = o = d but for wide heads or MLA). With cp each rank holds S/cp
     # queries against all S keys (load-balanced: each ring step does 1/cp of the rank's work).
     attn_flops = seq * (arch.q_dim + arch.o_dim) / layout.tp * tokens
-    attn = attn_flops / attention_rate(cluster, layout, seq / layout.cp)
+    if layout.attn_kernel == "unfused":  # every score computed and moved through memory (cp = 1)
+        attn = unfused_attention_seconds(arch, layout, cluster, tokens, seq, ACT_BYTES[layout.precision])[0]
+    else:
+        attn = attn_flops / attention_rate(cluster, layout, seq / layout.cp)
     merge_f, _ = ring_merge_bytes(arch, layout)
     elem_bytes = (elementwise_per_token(arch, layout, cluster, moe) + merge_f) * tokens
     return mm_flops / mm_rate, attn, elem_bytes / cluster.per_rank_bandwidth(layout.world)
@@ -362,6 +366,12 @@ def _mean_block(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: 
     return mean  # type: ignore[return-value]
 
 
+def _mean_unfused_backward(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int) -> float:
+    """Backward seconds of the busiest stage's mean block's unfused attention (the same in a dense and
+    a MoE block)."""
+    return unfused_attention_seconds(arch, layout, cluster, tokens, seq, ACT_BYTES[layout.precision])[1]
+
+
 def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs: int, seq: int) -> StageCompute:
     """Forward, backward and recompute seconds of one micro-batch on the busiest stage (the last:
     its blocks plus the head)."""
@@ -372,8 +382,11 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
     merge_f, merge_b = ring_merge_bytes(arch, layout)  # ring attention: forward merge is in elem
     elem_b = 2 * (elem - merge_f * tokens / cluster.per_rank_bandwidth(layout.world)) + \
         merge_b * tokens / cluster.per_rank_bandwidth(layout.world)
-    bwd_layer = 2 * mm * _backward_gemm_ratio(arch, layout, cluster, tokens) + \
-        attention_backward_ratio(cluster, layout, seq) * attn + elem_b
+    if layout.attn_kernel == "unfused":
+        attn_b = _mean_unfused_backward(arch, layout, cluster, tokens, seq)
+    else:
+        attn_b = attention_backward_ratio(cluster, layout, seq) * attn
+    bwd_layer = 2 * mm * _backward_gemm_ratio(arch, layout, cluster, tokens) + attn_b + elem_b
     head_f = head_forward(arch, layout, cluster, tokens)
     head_b = 2 * head_f
     measured = False

@@ -20,10 +20,11 @@ AC_MODES = ("none", "selective", "op", "full")
 """none; selective: meshtrain's (every 2nd block fully checkpointed); op: torchtitan's selective op
 (matmul and attention outputs kept, element-wise ops recomputed); full: every block recomputed."""
 PRECISIONS = ("fp32", "bf16", "fp8")
-ATTN_KERNELS = ("sdpa", "cudnn", "triton")
+ATTN_KERNELS = ("sdpa", "cudnn", "triton", "unfused")
 """sdpa: torch's scaled_dot_product_attention (FlashAttention-2 inside); cudnn: cuDNN fused attention
 (Transformer Engine, Megatron); triton: a FlashAttention-1-class kernel (llm-foundry's Triton
-FlashAttention, ``attn_impl: triton``, which MosaicML's benchmarks ran)."""
+FlashAttention, ``attn_impl: triton``, which MosaicML's benchmarks ran); unfused: the s x s scores
+materialised (Megatron-LM before FlashAttention: ``attention_unfused.py``)."""
 RANK_ORDERS = ("meshtrain", "megatron")
 """meshtrain: ranks laid out (dp, pp, cp, tp), tp innermost (``meshtrain.mesh``); megatron: pipeline
 outermost (Megatron-LM's tp-cp-ep-dp-pp), for pricing its published runs."""
@@ -90,8 +91,9 @@ class Layout:
     attn_kernel: str = "sdpa"
     """The attention kernel: "sdpa" (torch's scaled_dot_product_attention, whose flash backend is
     FlashAttention-2: meshtrain, torchtitan), "cudnn" (cuDNN's fused attention, which Transformer Engine
-    and so Megatron run: ``fused_attention_speedup`` faster on Hopper) or "triton" (llm-foundry's
-    Triton FlashAttention, the FlashAttention-1 algorithm: ``fa1_attention_efficiency``)."""
+    and so Megatron run: ``fused_attention_speedup`` faster on Hopper), "triton" (llm-foundry's
+    Triton FlashAttention, the FlashAttention-1 algorithm: ``fa1_attention_efficiency``) or "unfused"
+    (Megatron-LM's attention before FlashAttention, scores materialised: ``attention_unfused.py``)."""
     kv_repeat: bool = False
     """Grouped-query K and V repeated to every query head before the attention call (torchtitan's Llama at
     9dec370: ``repeat_kv`` before ``F.scaled_dot_product_attention``), so ring attention moves and merges
@@ -165,6 +167,8 @@ class Layout:
             parts += [f"m={self.microbatches}", self.schedule] + ([f"v={self.virtual}"] if self.virtual > 1 else [])
         elif self.microbatches > 1:
             parts.append(f"m={self.microbatches}")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("sp=0")
         if self.uneven and self.pp * self.virtual > 1:
             parts.append("uneven=1")
         if self.p2p_overlap and self.pp > 1:
@@ -332,6 +336,9 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         raise ConfigError(f"order={layout.rank_order!r}: choose one of {', '.join(RANK_ORDERS)}")
     if layout.attn_kernel not in ATTN_KERNELS:
         raise ConfigError(f"attn={layout.attn_kernel!r}: choose one of {', '.join(ATTN_KERNELS)}")
+    if layout.attn_kernel == "unfused" and layout.cp > 1:
+        raise ConfigError(f"attn=unfused (scores materialised) has no ring attention: it needs cp=1, got "
+                          f"cp={layout.cp}; use cp=1 or another attention kernel")
     if layout.p2p_overlap and (layout.pp == 1 or layout.schedule != "interleaved"):
         raise ConfigError(f"ppo=1 (pipeline sends beside the next chunk's compute) is Megatron's overlap of the "
                           f"interleaved schedule: it needs pp > 1 and interleaved, got pp={layout.pp}, "

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from ..parallel.pipeline.schedule import Action, build_schedule, peak_in_flight
 from .architectures import Arch
+from .attention_unfused import saved_bytes_per_element, score_elements
 from .compute import ACT_BYTES
 from .layout import Layout
 from .moe import block_param_split, moe_activations, stage_layer_mix, stage_param_split
@@ -155,6 +156,8 @@ def activation_memory(arch: Arch, layout: Layout, microbatch_seqs: int, seq: int
         if not count:
             continue
         full = activation_bytes_per_token(arch, layout, moe)
+        if layout.attn_kernel == "unfused":  # the s x s scores kept for backward (cp = 1)
+            full += score_elements(arch, layout, 1, seq) * saved_bytes_per_element(ACT_BYTES[layout.precision])
         # "op": torchtitan's policy keeps every other matmul output of a dense block; a MoE block's
         # element-wise results are recomputed (the norms' outputs and the SwiGLU products)
         op = full - _op_recomputed_bytes_per_token(arch, layout, moe) if moe else \

@@ -3,7 +3,8 @@ the cluster presets' one set of constants and compared with what was published.
 
 * ``published_torchtitan``: torchtitan's benchmark files (Grand Teton H100s, H200s);
 * ``published_mosaic``: MosaicML's llm-foundry throughput tables (A100s);
-* ``published_megatron``: Megatron-LM's GPT-3 strong scaling and Megatron-Bridge's MoE runs (H100s).
+* ``published_megatron``: Megatron-LM's GPT-3 strong scaling and Megatron-Bridge's runs (H100s);
+* ``published_megatron_2021``: Megatron-LM's weak-scaling table of 2021, GPT 1.7B to 1T (A100s).
 
 Each row is a ``PublishedRun`` (``published_run``) with its source, its layout as stated, what was
 left unstated, and its role: "fit" rows informed a constant, "check" rows are the validation. The bar,
@@ -17,16 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import published_megatron, published_mosaic, published_torchtitan
+from . import published_megatron, published_megatron_2021, published_mosaic, published_torchtitan
 from .published_run import BAR_MEDIAN, BAR_MEMORY, BAR_WORST, PublishedRun, check, metric_of, summary
 
-RUNS: tuple[PublishedRun, ...] = published_torchtitan.RUNS + published_mosaic.RUNS + published_megatron.RUNS
+RUNS: tuple[PublishedRun, ...] = (published_torchtitan.RUNS + published_mosaic.RUNS + published_megatron.RUNS
+                                  + published_megatron_2021.RUNS)
 """Every counted row (fit and check)."""
 LEFT_OUT: tuple[PublishedRun, ...] = published_mosaic.LEFT_OUT
 """Rows shown but not counted, with their reason, ``LEFT_OUT_WHY``."""
 LEFT_OUT_WHY = published_mosaic.LEFT_OUT_WHY
 SOURCES = {"torchtitan": published_torchtitan.RUNS, "MosaicML": published_mosaic.RUNS,
-           "Megatron": published_megatron.RUNS}
+           "Megatron": published_megatron.RUNS + published_megatron_2021.RUNS}
 
 __all__ = ["BAR_MEDIAN", "BAR_MEMORY", "BAR_WORST", "LEFT_OUT", "LEFT_OUT_WHY", "RUNS", "SOURCES", "PublishedRun",
            "check", "markdown", "metric_of", "summary", "validate"]
@@ -34,6 +36,8 @@ __all__ = ["BAR_MEDIAN", "BAR_MEMORY", "BAR_WORST", "LEFT_OUT", "LEFT_OUT_WHY", 
 
 def _fmt(metric: str, v: float) -> str:
     """A metric value as the table shows it."""
+    if metric == "megatron_tflops":
+        return f"{v:.0f} TFLOP/s/GPU"
     return f"{v * 100:.1f}% MFU" if metric == "mfu" else f"{v:,.0f} tok/s/GPU"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .architectures import resolve_model
+from .architectures import Arch, resolve_model
 from .clusters import resolve_cluster
 from .layout import parse_layout
 from .search import search
@@ -37,7 +37,7 @@ class PublishedRun:
     global_batch: int
     seq: int
     metric: str
-    """"tokens_per_s_per_gpu" or "mfu"."""
+    """"tokens_per_s_per_gpu", "mfu" or "megatron_tflops" (``METRICS``)."""
     value: float
     source: str
     """Where the number is: repository, file and commit, or a URL."""
@@ -55,8 +55,25 @@ class PublishedRun:
     about the published run."""
 
 
-def metric_of(pred: Prediction, metric: str) -> float:
-    """The predicted value of a published metric."""
+METRICS = ("tokens_per_s_per_gpu", "mfu", "megatron_tflops")
+
+
+def megatron_flops_per_token(arch: Arch, seq: int) -> float:
+    """FLOPs a token costs as Megatron-LM counts them with full activation recomputation (Narayanan et al.,
+    arXiv 2104.04473, equation 3: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) an iteration, divided by B·s):
+    a GPT block's forward counted four times (forward, recomputation, backward twice), all s keys of
+    every query, the logits' three."""
+    l, h, v = arch.n_layers, arch.dim, arch.vocab_size
+    return 96.0 * l * h * h * (1.0 + seq / (6.0 * h) + v / (16.0 * l * h))
+
+
+def metric_of(pred: Prediction, metric: str, arch: Arch | None = None, seq: int = 0) -> float:
+    """The predicted value of a published metric ("megatron_tflops": TFLOP/s a GPU by Megatron's count,
+    which needs the run's ``arch`` and ``seq``; a fixed count a token, whatever the layout recomputes, so
+    a throughput)."""
+    if metric == "megatron_tflops":
+        assert arch is not None and seq, "megatron_tflops needs the run's arch and seq"
+        return pred.tokens_per_s_per_gpu * megatron_flops_per_token(arch, seq) / 1e12
     return pred.tokens_per_s_per_gpu if metric == "tokens_per_s_per_gpu" else pred.mfu
 
 
@@ -66,7 +83,7 @@ def check(run: PublishedRun, with_search: bool = False) -> dict:
     arch, cluster = resolve_model(run.model), resolve_cluster(run.cluster)
     layout = parse_layout(run.layout, compile=run.compile)
     pred = predict(arch, cluster, layout, run.global_batch, run.seq)
-    value = metric_of(pred, run.metric)
+    value = metric_of(pred, run.metric, arch, run.seq)
     mem = pred.memory.total / 2**30
     row = {"run": run.name, "metric": run.metric, "published": run.value, "predicted": value,
            "error": value / run.value - 1.0, "layout": layout.label(), "memory_gib": mem,
@@ -81,7 +98,7 @@ def check(run: PublishedRun, with_search: bool = False) -> dict:
                  "fsdp_pp": layout.fsdp_pp, "async_tp": layout.async_tp, "kv_repeat": layout.kv_repeat,
                  "p2p_overlap": layout.p2p_overlap}
         best = search(arch, cluster, run.gpus, run.global_batch, run.seq, fixed=fixed, top=1)[0]
-        row.update(search_layout=best.layout.label(), search_value=metric_of(best, run.metric),
+        row.update(search_layout=best.layout.label(), search_value=metric_of(best, run.metric, arch, run.seq),
                    search_fits=best.fits, search_at_least_published=best.step_time <= pred.step_time * (1 + 1e-9))
     return row
 
