@@ -243,10 +243,21 @@ MEGATRON_2021_SHAPES = {"1.7b": (24, 2304, 24), "3.6b": (30, 3072, 32), "7.5b": 
                         "1t": (128, 25600, 160)}
 UNPIPELINED = ("1.7b", "3.6b", "7.5b", "18b")
 """The models the table runs without a pipeline: their head stays tied."""
-ARCHS.update({f"megatron-gpt-{size}": Arch(f"megatron-gpt-{size}", layers, dim, heads, heads, 4 * dim, 51200,
+ARCHS.update({f"megatron-2021-gpt-{size}": Arch(f"megatron-2021-gpt-{size}", layers, dim, heads, heads, 4 * dim, 51200,
                                            gated_mlp=False, tie_embeddings=size in UNPIPELINED, norm="layernorm",
                                            rotary=False)
               for size, (layers, dim, heads) in MEGATRON_2021_SHAPES.items()})
+
+# Megatron-LM's H100 weak-scaling GPT models (its README of July 2024, the table images/model_table.png,
+# commit 937571cfd4: heads, hidden size and layers; vocabulary 131,072): GPT blocks with the output
+# head untied, as the table's sizes count it (1.7B = 24 x 12 x 2048^2 + 2 x 131072 x 2048). The 177B
+# row is ``gpt-175b``.
+MEGATRON_2024_SHAPES = {"1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48),
+                        "32b": (48, 7168, 56), "70b": (84, 8192, 64), "119b": (92, 10240, 80),
+                        "314b": (96, 16384, 128), "462b": (112, 18432, 144)}
+ARCHS.update({f"megatron-2024-gpt-{size}": Arch(f"megatron-2024-gpt-{size}", layers, dim, heads, heads, 4 * dim,
+                                                131072, gated_mlp=False, norm="layernorm", rotary=False)
+              for size, (layers, dim, heads) in MEGATRON_2024_SHAPES.items()})
 
 
 def from_llama_config(name: str, cfg: LlamaConfig) -> Arch:

@@ -3,7 +3,7 @@ the cluster presets' one set of constants and compared with what was published.
 
 * ``published_torchtitan``: torchtitan's benchmark files (Grand Teton H100s, H200s);
 * ``published_mosaic``: MosaicML's llm-foundry throughput tables (A100s);
-* ``published_megatron``: Megatron-LM's GPT-3 strong scaling and Megatron-Bridge's runs (H100s);
+* ``published_megatron``: Megatron-LM's GPT-3 strong scaling and H100 model table, Megatron-Bridge's runs;
 * ``published_megatron_2021``: Megatron-LM's weak-scaling table of 2021, GPT 1.7B to 1T (A100s).
 
 Each row is a ``PublishedRun`` (``published_run``) with its source, its layout as stated, what was

@@ -1,5 +1,5 @@
-"""Megatron-LM's and Megatron-Bridge's published runs on H100: GPT-3 177B strong scaling (Megatron-LM
-README) and every DGX-H100 row of Megatron-Bridge's 25.09 performance summary (Llama 3 8B, 70B, 405B,
+"""Megatron-LM's and Megatron-Bridge's published runs on H100: GPT-3 177B strong scaling and the weak-scaling
+model table, GPT 1.7B-462B (Megatron-LM README), and every DGX-H100 row of Megatron-Bridge's 25.09 performance summary (Llama 3 8B, 70B, 405B,
 Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3). Sources and what each leaves unstated are in the
 constants below and in docs/plan.md."""
 
@@ -21,6 +21,34 @@ MEGATRON_ASSUMED = ("tp=8, pp=6 from the README's model table for 177B (dp = GPU
                     "Transformer Engine's cuDNN fused attention (attn=cudnn), Megatron's default backend with TE; "
                     "--tp-comm-overlap, which the README names, priced as atp=1 (PyTorch's forward-only "
                     "overlap: Megatron's also overlaps parts of the backward, not modelled)")
+
+MODEL_TABLE_ASSUMED = ("the README's model table (images/model_table.png, commit 937571cfd4) gives heads, hidden "
+                       "size, layers, TP, PP, DP, GPUs and batch; vocabulary 131,072 and seq 4096 from its text; "
+                       "priced as the 177B rows (above): micro-batch 1, gradients reduced in fp32, the distributed "
+                       "optimizer with --overlap-param-gather (zero=1, opg=1), cuDNN attention, fused kernels, "
+                       "--tp-comm-overlap as atp=1 where tp > 1, and under a pipeline the least interleaving that "
+                       "splits the layers evenly (v=2; 119B: 92 layers over PP 4 allow only v=23, 462B: 112 over PP 16 "
+                       "only v=7) with ppo=1; the output head untied (the table's sizes count it)")
+MODEL_TABLE = {"1.7b": (1, 1, 192, 0.41), "7.1b": (2, 1, 192, 0.47), "16b": (4, 1, 192, 0.49),
+               "32b": (8, 1, 192, 0.46), "70b": (8, 2, 384, 0.42), "119b": (8, 4, 768, 0.43),
+               "314b": (8, 8, 1536, 0.48), "462b": (8, 16, 3072, 0.47)}
+"""size: (TP, PP, batch, MFU) of the model table's rows but the 177B (DP 48 in every row)."""
+
+
+def _model_table_row(size: str) -> PublishedRun:
+    from .architectures import ARCHS
+
+    tp, pp, batch, mfu = MODEL_TABLE[size]
+    layers = ARCHS[f"megatron-2024-gpt-{size}"].n_layers
+    layout = f"dp=48,tp={tp},pp={pp},m={batch // 48},zero=1,opg=1,ac=none,precision=bf16,attn=cudnn"
+    if tp > 1:
+        layout += ",atp=1"
+    if pp > 1:
+        v = next(v for v in range(2, layers + 1) if layers % (pp * v) == 0)
+        layout += f",interleaved,v={v},ppo=1"
+    return PublishedRun(f"Megatron GPT {size.upper()}, {48 * tp * pp} H100 (model table)", f"megatron-2024-gpt-{size}",
+                        "h100", 48 * tp * pp, layout, batch, 4096, "mfu", mfu, MEGATRON, compile=True,
+                        assumed=MODEL_TABLE_ASSUMED, memory_comparable=False)
 
 
 MEGATRON_BRIDGE = ("Megatron-Bridge performance summary, 25.09 NeMo container, DGX-H100 table "
@@ -67,6 +95,8 @@ RUNS: tuple[PublishedRun, ...] = (
                  "dp=96,tp=8,pp=6,m=12,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
                  4096, "mfu", 0.42,
                  MEGATRON, compile=True, assumed=MEGATRON_ASSUMED, memory_comparable=False),
+    # the model table's other rows (weak scaling, 48 data-parallel replicas each)
+    *(_model_table_row(size) for size in MODEL_TABLE),
     # Megatron-Bridge 25.09, DGX-H100: the dense rows (recipes: scripts/performance/configs/llama3/
     # llama3_{8b,70b}_llm_pretrain.yaml, llama31/llama31_405b_llm_pretrain.yaml, recipes/llama/llama3.py)
     _bridge("Llama3 8B", "llama3-8b", 8, "dp=8,m=16,zero=3", 128, 8192, 14079,

@@ -38,7 +38,7 @@ def _row(size: str) -> PublishedRun:
     dp = gpus // (tp * pp)
     layout = (f"dp={dp},tp={tp},pp={pp},m={batch // dp},sp=0,zero=0,ac=full,precision=bf16,attn=unfused,"
               "order=megatron")
-    return PublishedRun(f"Megatron-LM GPT {size.upper()}, {gpus} A100 (2021 weak scaling)", f"megatron-gpt-{size}",
+    return PublishedRun(f"Megatron-LM GPT {size.upper()}, {gpus} A100 (2021 weak scaling)", f"megatron-2021-gpt-{size}",
                         "a100", gpus, layout, batch, 2048, "megatron_tflops", tflops, SOURCE, compile=True,
                         memory_comparable=False, assumed=ASSUMED)
 

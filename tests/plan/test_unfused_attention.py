@@ -19,7 +19,7 @@ from meshtrain.plan.published_run import check, megatron_flops_per_token
 from meshtrain.plan.step import predict
 
 A100 = PRESETS["a100"]
-GPT17 = ARCHS["megatron-gpt-1.7b"]  # 24 layers, d 2304, 24 heads of 96
+GPT17 = ARCHS["megatron-2021-gpt-1.7b"]  # 24 layers, d 2304, 24 heads of 96
 
 
 def test_unfused_attention_is_the_scores_memory_traffic_where_heads_are_narrow():
@@ -68,7 +68,7 @@ def test_unfused_attention_has_no_ring_and_its_label_round_trips():
 def test_megatrons_flop_count_is_four_forwards_of_every_score_and_three_of_the_logits():
     # counted here from the shapes: a block's forward is 24 h^2 matmul FLOPs and 4 s h for Q K^T and P V
     # over all s keys; recomputation, backward (twice) make four; the logits 2 V h, thrice
-    for name in ("megatron-gpt-1.7b", "megatron-gpt-1t"):
+    for name in ("megatron-2021-gpt-1.7b", "megatron-2021-gpt-1t"):
         a, s = ARCHS[name], 2048
         per_token = a.n_layers * 4 * (24 * a.dim**2 + 4 * s * a.dim) + 3 * 2 * a.vocab_size * a.dim
         assert megatron_flops_per_token(a, s) == pytest.approx(per_token)
