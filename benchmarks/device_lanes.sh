@@ -9,7 +9,9 @@
 #   lane G, cores 14-15: meshtrain train on the GPU (1b compiled, 8b full AC), each run's summary.json
 #           holding the planner's prediction beside the measurement, collected (issue 34); then one
 #           cp rank's ring-attention calls at CP 1, 2, 4, 8 against the planner's kernel time
-#           (benchmarks/ring_rank.py: torchtitan's T2 rows, issue 34).
+#           (benchmarks/ring_rank.py: torchtitan's T2 rows, issue 34); then one GPT block's GEMMs at the
+#           per-rank shapes of Megatron's H100 model table against the planner's rate
+#           (benchmarks/gemm_shapes.py: its small rows, issue 34).
 # Every ratio is against its peer in the same process set, interleaved; the lanes share memory
 # bandwidth, which both sides of a ratio see. Each step has a time limit and writes its output as it
 # goes, so a step cut short still leaves what it finished. Everything ends up in one archive,
@@ -73,6 +75,7 @@ lane_g() {
         --checkpoint.enabled=false --no-progress --out="$OUT/runs/8b"
     step G plan-collect 30 "$PY" -m meshtrain.cli bench plan --collect "$OUT/runs"
     step G ring-rank 120 taskset -c "$G_CPUS" "$PY" benchmarks/ring_rank.py 1,2,4,8 3
+    step G gemm-shapes 90 taskset -c "$G_CPUS" "$PY" benchmarks/gemm_shapes.py 20
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt" 2>&1
