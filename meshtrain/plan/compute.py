@@ -366,12 +366,6 @@ def _mean_block(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: 
     return mean  # type: ignore[return-value]
 
 
-def _mean_unfused_backward(arch: Arch, layout: Layout, cluster: Cluster, tokens: int, seq: int) -> float:
-    """Backward seconds of the busiest stage's mean block's unfused attention (the same in a dense and
-    a MoE block)."""
-    return unfused_attention_seconds(arch, layout, cluster, tokens, seq, ACT_BYTES[layout.precision])[1]
-
-
 def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs: int, seq: int) -> StageCompute:
     """Forward, backward and recompute seconds of one micro-batch on the busiest stage (the last:
     its blocks plus the head)."""
@@ -382,8 +376,8 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
     merge_f, merge_b = ring_merge_bytes(arch, layout)  # ring attention: forward merge is in elem
     elem_b = 2 * (elem - merge_f * tokens / cluster.per_rank_bandwidth(layout.world)) + \
         merge_b * tokens / cluster.per_rank_bandwidth(layout.world)
-    if layout.attn_kernel == "unfused":
-        attn_b = _mean_unfused_backward(arch, layout, cluster, tokens, seq)
+    if layout.attn_kernel == "unfused":  # the same in a dense and a MoE block
+        attn_b = unfused_attention_seconds(arch, layout, cluster, tokens, seq, ACT_BYTES[layout.precision])[1]
     else:
         attn_b = attention_backward_ratio(cluster, layout, seq) * attn
     bwd_layer = 2 * mm * _backward_gemm_ratio(arch, layout, cluster, tokens) + attn_b + elem_b

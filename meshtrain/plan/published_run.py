@@ -56,6 +56,7 @@ class PublishedRun:
 
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "megatron_tflops")
+"""What a published row may report (``metric_of`` predicts each)."""
 
 
 def megatron_flops_per_token(arch: Arch, seq: int) -> float:
