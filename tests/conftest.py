@@ -2,7 +2,6 @@
 (pytest-timeout, set in pyproject.toml)."""
 
 import atexit
-import gc
 import os
 import shutil
 import tempfile
@@ -76,12 +75,6 @@ def nothing_left_behind():
     shm0, tmp0 = _leftovers()
     yield
     shm1, tmp1 = _leftovers()
-    if shm1 - shm0 or tmp1 - tmp0:
-        # multiprocessing's named semaphores (torch elastic's worker events and error queues, made in
-        # this process) are unlinked when their objects are freed: a failed run's traceback can hold
-        # them in a reference cycle until the collector runs, which in a real run is the process's exit
-        gc.collect()
-        shm1, tmp1 = _leftovers()
     assert not shm1 - shm0, f"left in /dev/shm: {sorted(shm1 - shm0)}"
     assert not tmp1 - tmp0, f"left in {tempfile.gettempdir()}: {sorted(tmp1 - tmp0)}"
 
