@@ -54,6 +54,14 @@ def _microbatch_choices(local: int, pp: int, interleaved: bool) -> list[int]:
     return sorted({capped[0], capped[len(capped) // 2], capped[-1], valid[-1]})
 
 
+def _virtual_choices(layers: int, pp: int) -> list[int]:
+    """Model chunks per pipeline rank worth pricing: 2 and 4, and the fewest (> 1) that split ``layers``
+    evenly over pp x v, which Megatron needs (92 layers on 4 stages allow only v = 23): a published
+    interleaved layout must be among the candidates."""
+    even = next((v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0), None)
+    return sorted({v for v in (2, 4, even) if v is not None and pp * v <= layers})
+
+
 def _replicas(dp: int, others: int, per_node: int) -> list[int]:
     """HSDP replica counts worth pricing: none (1), and those whose ZeRO shard groups span 1, 2 or 4
     nodes (with the other dimensions): gathers stay on the fast links, replicas all-reduce across."""
@@ -77,7 +85,7 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                 if "schedule" in fixed and pp > 1:
                     schedules = [fixed["schedule"]]
                 for sched in schedules:
-                    vs = [v for v in (2, 4) if pp * v <= arch.n_layers] if sched == "interleaved" else [1]
+                    vs = _virtual_choices(arch.n_layers, pp) if sched == "interleaved" else [1]
                     for v in vs:
                         for m in _microbatch_choices(global_batch // dp, pp, sched == "interleaved"):
                             zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else \

@@ -225,3 +225,18 @@ def test_an_overlapped_ep_all_to_all_costs_the_compute_the_sms_it_holds():
     assert sum(ep_exposed(layout, 0.2, 0.2, 0.04, 0.10, sm_count=132)) == pytest.approx(0.26)
     # without Megatron's overlap everything is exposed, whatever the SMs
     assert ep_exposed(dataclasses.replace(layout, ep_overlap=False), 0.07, 0.07, 0.04, 0.10, 132) == (0.07, 0.07)
+
+
+def test_search_offers_the_interleavings_megatron_can_run():
+    # Megatron needs layers divisible by pp x v: the model table's 119B (92 layers on PP 4) can only
+    # interleave with v = 23, its 462B (112 on PP 16) with v = 7; --search must be able to price them
+    from meshtrain.plan.search import candidates
+
+    for name, tp, pp, gpus, batch, v in (("megatron-2024-gpt-119b", 8, 4, 1536, 768, 23),
+                                         ("megatron-2024-gpt-462b", 8, 16, 6144, 3072, 7)):
+        arch = ARCHS[name]
+        fixed = {"schedule": "interleaved", "zero_stage": 1}
+        vs = {c.virtual for c in candidates(arch, H100, gpus, batch, 4096, fixed)
+              if (c.tp, c.pp) == (tp, pp)}
+        assert v in vs and all(v_ == 1 or pp * v_ <= arch.n_layers for v_ in vs), (name, vs)
+        assert arch.n_layers % (pp * v) == 0 and all(arch.n_layers % (pp * u) for u in range(2, v))

@@ -81,3 +81,4 @@ def test_the_2021_table_is_priced_by_megatrons_own_count():
     assert got["predicted"] == pytest.approx(pred.tokens_per_s_per_gpu
                                              * megatron_flops_per_token(ARCHS[row.model], row.seq) / 1e12)
     assert [r.gpus for r in RUNS] == [32, 64, 128, 256, 512, 1024, 1536, 1920, 2520, 3072]
+
