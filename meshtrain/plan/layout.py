@@ -318,6 +318,12 @@ def stage_counts(arch: Arch) -> list[int]:
     return [s for s in range(1, min(arch.n_layers, 64) + 1) if arch.n_layers % s == 0]
 
 
+def fewest_even_chunks(layers: int, pp: int) -> int | None:
+    """The fewest model chunks (> 1) per pipeline rank that split ``layers`` evenly over pp x v, as
+    Megatron's interleaved schedule needs (92 layers on 4 stages: 23); None if there is none."""
+    return next((v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0), None)
+
+
 def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int) -> None:
     """Raise ConfigError if ``layout`` cannot run ``arch`` on ``gpus`` with this batch, or is one that
     meshtrain train (or, for uneven pipeline splits, Megatron) refuses; the message names the nearest

@@ -5,6 +5,8 @@ constants below and in docs/plan.md."""
 
 from __future__ import annotations
 
+from .architectures import ARCHS
+from .layout import fewest_even_chunks
 from .published_run import PublishedRun
 
 MEGATRON = ("Megatron-LM README (github.com/NVIDIA/Megatron-LM): 'Strong Scaling Results' and its figure "
@@ -36,16 +38,13 @@ MODEL_TABLE = {"1.7b": (1, 1, 192, 0.41), "7.1b": (2, 1, 192, 0.47), "16b": (4, 
 
 
 def _model_table_row(size: str) -> PublishedRun:
-    from .architectures import ARCHS
-
     tp, pp, batch, mfu = MODEL_TABLE[size]
     layers = ARCHS[f"megatron-2024-gpt-{size}"].n_layers
     layout = f"dp=48,tp={tp},pp={pp},m={batch // 48},zero=1,opg=1,ac=none,precision=bf16,attn=cudnn"
     if tp > 1:
         layout += ",atp=1"
     if pp > 1:
-        v = next(v for v in range(2, layers + 1) if layers % (pp * v) == 0)
-        layout += f",interleaved,v={v},ppo=1"
+        layout += f",interleaved,v={fewest_even_chunks(layers, pp)},ppo=1"
     return PublishedRun(f"Megatron GPT {size.upper()}, {48 * tp * pp} H100 (model table)", f"megatron-2024-gpt-{size}",
                         "h100", 48 * tp * pp, layout, batch, 4096, "mfu", mfu, MEGATRON, compile=True,
                         assumed=MODEL_TABLE_ASSUMED, memory_comparable=False)

@@ -31,7 +31,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from .architectures import Arch
 from .clusters import Cluster
-from .layout import AC_MODES, Layout, check_sizes, ep_choices, tp_splits
+from .layout import AC_MODES, Layout, check_sizes, ep_choices, fewest_even_chunks, tp_splits
 from .step import DEFAULT_MEMORY_MARGIN, Prediction, check_memory_margin, predict
 
 
@@ -55,10 +55,9 @@ def _microbatch_choices(local: int, pp: int, interleaved: bool) -> list[int]:
 
 
 def _virtual_choices(layers: int, pp: int) -> list[int]:
-    """Model chunks per pipeline rank worth pricing: 2 and 4, and the fewest (> 1) that split ``layers``
-    evenly over pp x v, which Megatron needs (92 layers on 4 stages allow only v = 23): a published
-    interleaved layout must be among the candidates."""
-    even = next((v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0), None)
+    """Model chunks per pipeline rank worth pricing: 2 and 4, and ``fewest_even_chunks`` (what Megatron
+    needs: 92 layers on 4 stages allow only v = 23), so a published interleaved layout is a candidate."""
+    even = fewest_even_chunks(layers, pp)
     return sorted({v for v in (2, 4, even) if v is not None and pp * v <= layers})
 
 
