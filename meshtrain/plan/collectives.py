@@ -128,6 +128,13 @@ def cross_node_level(cluster: Cluster, members_per_node: int) -> Level:
     return Level(cluster.inter.latency, bw)
 
 
+def beside(comm: float, compute: float, sm_share: float = 0.0) -> float:
+    """Seconds a transfer of ``comm`` adds to ``compute`` it runs beside, its kernels holding a share
+    ``sm_share`` of the SMs meanwhile: compute W beside a transfer T takes max(T, W + s T), so what
+    exceeds the compute, or where larger what the compute loses to the transfer's SMs."""
+    return max(0.0, comm - compute, sm_share * comm)
+
+
 def p2p(nbytes: float, same_node: bool, cluster: Cluster) -> float:
     """Seconds to send ``nbytes`` to one peer (pipeline stages, ring-attention neighbours)."""
     level = cluster.intra if same_node else cluster.inter

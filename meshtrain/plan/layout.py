@@ -84,6 +84,13 @@ class Layout:
     the matmul that consumes (or produces) them runs on the pieces already there, so only what exceeds
     that matmul is exposed. Needs tp > 1 with sequence parallelism; meshtrain's runtime has no async TP,
     so ``--search`` tries it only when told the runtime does (``--async-tp``)."""
+    async_tp_backward: bool = False
+    """Async TP in the backward too, as Transformer Engine's userbuffers run it under Megatron's
+    ``--tp-comm-overlap`` ("overlapping is done for the linear layers wherever possible during the forward
+    and the backward pass", MCore's ``ModelParallelConfig``): the output gradient's all-gather beside the
+    row-parallel dgrad GEMM (ring exchange), the saved input's all-gather beside the column-parallel
+    dgrad GEMMs and their input gradient's reduce-scatter beside their wgrad GEMMs (bulk overlaps,
+    ``step.TE_COMM_SMS`` SMs each). Needs ``async_tp``; for pricing a peer's run."""
     cp_allgather: bool = False
     """Ring attention's K/V exchanged as one all-gather before the first step (PyTorch's
     ``_RotateMethod.ALL_GATHER``, torchtitan's default) instead of passed step by step: hidden behind
@@ -185,6 +192,8 @@ class Layout:
             parts.append("opg=1")
         if self.async_tp and self.tp > 1:
             parts.append("atp=1")
+        if self.async_tp_backward and self.tp > 1:
+            parts.append("atpb=1")
         if self.cp_allgather and self.cp > 1:
             parts.append("cpag=1")
         if self.attn_kernel != "sdpa":
@@ -205,12 +214,13 @@ _KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "m": "microbatches", "m
          "dp_replicate": "dp_replicate", "opg": "overlap_param_gather",
          "overlap_param_gather": "overlap_param_gather", "ep": "ep", "epo": "ep_overlap", "ep_overlap": "ep_overlap",
          "order": "rank_order", "rank_order": "rank_order", "offload": "offload", "uneven": "uneven",
-         "atp": "async_tp", "async_tp": "async_tp", "cpag": "cp_allgather", "cp_allgather": "cp_allgather",
+         "atp": "async_tp", "async_tp": "async_tp", "atpb": "async_tp_backward",
+         "async_tp_backward": "async_tp_backward", "cpag": "cp_allgather", "cp_allgather": "cp_allgather",
          "attn": "attn_kernel", "attn_kernel": "attn_kernel", "fsdp": "fsdp_pp", "fsdp_pp": "fsdp_pp",
          "kvrep": "kv_repeat", "kv_repeat": "kv_repeat", "closs": "loss_compiled", "loss_compiled": "loss_compiled",
          "ppo": "p2p_overlap", "p2p_overlap": "p2p_overlap"}
-_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "cp_allgather", "fsdp_pp",
-          "kv_repeat", "loss_compiled", "p2p_overlap")
+_FLAGS = ("sequence_parallel", "overlap_param_gather", "ep_overlap", "uneven", "async_tp", "async_tp_backward",
+          "cp_allgather", "fsdp_pp", "kv_repeat", "loss_compiled", "p2p_overlap")
 """Layout fields written 1 or 0 (true/false, on/off)."""
 
 MAX_GPUS = 1 << 20
@@ -353,6 +363,9 @@ def validate(layout: Layout, arch: Arch, gpus: int, global_batch: int, seq: int)
         raise ConfigError("atp=1 (async TP) overlaps sequence parallelism's all-gathers and reduce-scatters: it "
                           f"needs tp > 1 with sp=1, got tp={layout.tp}, sp={int(layout.sequence_parallel)}; use "
                           "atp=0")
+    if layout.async_tp_backward and not (layout.async_tp and layout.tp > 1):
+        raise ConfigError("atpb=1 (async TP in the backward too, Transformer Engine's) extends atp=1: it needs tp > 1 "
+                          f"with atp=1, got tp={layout.tp}, atp={int(layout.async_tp)}; set atp=1 or use atpb=0")
     if layout.precision not in PRECISIONS:
         raise ConfigError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if layout.zero_stage not in (0, 1, 2, 3):

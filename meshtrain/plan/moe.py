@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .architectures import Arch
 from .clusters import Cluster
-from .collectives import Group, group_of
+from .collectives import Group, beside, group_of
 from .compute import ACT_BYTES, stage_layers
 from .layout import Layout
 
@@ -179,5 +179,5 @@ def ep_exposed(layout: Layout, ep_f: float, ep_b: float, compute_f: float, compu
         return ep_f, ep_b
     total = ep_f + ep_b
     share = EP_COMM_SMS / sm_count if sm_count else 0.0
-    exposed = max(0.0, total - (compute_f + compute_b), share * total)
+    exposed = beside(total, compute_f + compute_b, share)
     return (exposed * ep_f / total, exposed * ep_b / total) if total > 0 else (0.0, 0.0)

@@ -21,14 +21,14 @@ MEGATRON_ASSUMED = ("tp=8, pp=6 from the README's model table for 177B (dp = GPU
                     "reduced in fp32 (bf16), micro-batch 1; the distributed optimizer (zero=1) with "
                     "--overlap-param-gather, which the README names; fused kernels (compile); "
                     "Transformer Engine's cuDNN fused attention (attn=cudnn), Megatron's default backend with TE; "
-                    "--tp-comm-overlap, which the README names, priced as atp=1 (PyTorch's forward-only "
-                    "overlap: Megatron's also overlaps parts of the backward, not modelled)")
+                    "--tp-comm-overlap, which the README names: Transformer Engine's userbuffers with their default "
+                    "methods, forward and backward (atp=1,atpb=1)")
 
 MODEL_TABLE_ASSUMED = ("the README's model table (images/model_table.png, commit 937571cfd4) gives heads, hidden "
                        "size, layers, TP, PP, DP, GPUs and batch; vocabulary 131,072 and seq 4096 from its text; "
                        "priced as the 177B rows (above): micro-batch 1, gradients reduced in fp32, the distributed "
                        "optimizer with --overlap-param-gather (zero=1, opg=1), cuDNN attention, fused kernels, "
-                       "--tp-comm-overlap as atp=1 where tp > 1, and under a pipeline the least interleaving that "
+                       "--tp-comm-overlap as atp=1,atpb=1 where tp > 1, and under a pipeline the least interleaving that "
                        "splits the layers evenly (v=2; 119B: 92 layers over PP 4 allow only v=23, 462B: 112 over PP 16 "
                        "only v=7) with ppo=1; the output head untied (the table's sizes count it)")
 MODEL_TABLE = {"1.7b": (1, 1, 192, 0.41), "7.1b": (2, 1, 192, 0.47), "16b": (4, 1, 192, 0.49),
@@ -42,7 +42,7 @@ def _model_table_row(size: str) -> PublishedRun:
     layers = ARCHS[f"megatron-2024-gpt-{size}"].n_layers
     layout = f"dp=48,tp={tp},pp={pp},m={batch // 48},zero=1,opg=1,ac=none,precision=bf16,attn=cudnn"
     if tp > 1:
-        layout += ",atp=1"
+        layout += ",atp=1,atpb=1"
     if pp > 1:
         layout += f",interleaved,v={fewest_even_chunks(layers, pp)},ppo=1"
     return PublishedRun(f"Megatron GPT {size.upper()}, {48 * tp * pp} H100 (model table)", f"megatron-2024-gpt-{size}",
@@ -71,7 +71,8 @@ BRIDGE_DENSE = ("precision fp8 with per-tensor current scaling, as for the MoE r
                 "in fp32); TE's cuDNN fused attention (attn=cudnn); fused kernels (compile); Megatron's rank order "
                 "(order=megatron)")
 BRIDGE_PP = ("the distributed optimizer (zero=1) with overlap_param_gather (opg=1) from llama3.py; "
-             "tp_comm_overlap on (the recipe's CommOverlapConfig) priced as atp=1")
+             "tp_comm_overlap on (the recipe's CommOverlapConfig) priced as atp=1,atpb=1: TE's userbuffers "
+             "forward and backward, at TE's default SMs (the recipe's per-model userbuffer configs set their own)")
 
 
 def _bridge(name: str, model: str, gpus: int, layout: str, batch: int, seq: int, tps: float, assumed: str) -> PublishedRun:
@@ -83,15 +84,15 @@ def _bridge(name: str, model: str, gpus: int, layout: str, batch: int, seq: int,
 
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("Megatron GPT-3 177B, 96 H100 (strong scaling)", "gpt-175b", "h100", 96,
-                 "dp=2,tp=8,pp=6,m=576,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
+                 "dp=2,tp=8,pp=6,m=576,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1,atpb=1", 1152,
                  4096, "mfu", 0.47,
                  MEGATRON, compile=True, role="fit", assumed=MEGATRON_ASSUMED, memory_comparable=False),
     PublishedRun("Megatron GPT-3 177B, 2304 H100 (model table)", "gpt-175b", "h100", 2304,
-                 "dp=48,tp=8,pp=6,m=24,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
+                 "dp=48,tp=8,pp=6,m=24,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1,atpb=1", 1152,
                  4096, "mfu", 0.44,
                  MEGATRON, compile=True, assumed=MEGATRON_ASSUMED, memory_comparable=False),
     PublishedRun("Megatron GPT-3 177B, 4608 H100 (strong scaling)", "gpt-175b", "h100", 4608,
-                 "dp=96,tp=8,pp=6,m=12,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1", 1152,
+                 "dp=96,tp=8,pp=6,m=12,v=2,interleaved,ppo=1,zero=1,opg=1,ac=none,precision=bf16,attn=cudnn,atp=1,atpb=1", 1152,
                  4096, "mfu", 0.42,
                  MEGATRON, compile=True, assumed=MEGATRON_ASSUMED, memory_comparable=False),
     # the model table's other rows (weak scaling, 48 data-parallel replicas each)
@@ -102,11 +103,11 @@ RUNS: tuple[PublishedRun, ...] = (
             "FSDP 1 = Megatron FSDP (use_megatron_fsdp: true in the yaml's fp8 entries; bf16 runs CP 2 "
             "without it), priced as ZeRO-3 gathering and reduce-scattering each of the 16 micro-batches "
             "(GA 16, MBS 1); " + BRIDGE_DENSE),
-    _bridge("Llama3 70B", "llama3-70b", 64, "dp=2,tp=4,pp=8,m=64,interleaved,ppo=1,v=5,zero=1,opg=1,atp=1", 128, 8192,
+    _bridge("Llama3 70B", "llama3-70b", 64, "dp=2,tp=4,pp=8,m=64,interleaved,ppo=1,v=5,zero=1,opg=1,atp=1,atpb=1", 128, 8192,
             1619, "TP 4, PP 8, VP 5 (the yaml's fp8 entries; bf16 runs PP 4 CP 2), GA 64, MBS 1; " + BRIDGE_PP +
             "; " + BRIDGE_DENSE),
     _bridge("Llama3.1 405B", "llama3-405b", 1024,
-            "dp=8,tp=8,pp=8,cp=2,m=64,interleaved,ppo=1,v=8,uneven=1,zero=1,opg=1,atp=1", 512, 8192, 302,
+            "dp=8,tp=8,pp=8,cp=2,m=64,interleaved,ppo=1,v=8,uneven=1,zero=1,opg=1,atp=1,atpb=1", 512, 8192, 302,
             "TP 8, PP 8, CP 2, VP 8, GA 64, MBS 1; the recipe's account_for_embedding_in_pipeline_split and "
             "account_for_loss_in_pipeline_split (126 layers + 2 over 64 chunks: 16 layers on the busiest rank) "
             "priced as uneven=1 (the same 16); TE's ring attention over the kv heads (cpag=0, no kvrep); "
@@ -121,7 +122,7 @@ RUNS: tuple[PublishedRun, ...] = (
                          "padded to capacity (apply_moe_token_drop), which under balanced routing computes and sends "
                          "what dropless does; alltoall dispatcher; " + MOE_COMMON),
     PublishedRun("Megatron-Bridge Qwen3-235B-A22B, 256 H100 (25.09, token-drop)", "qwen3-235b-a22b", "h100", 256,
-                 "dp=16,tp=2,pp=8,m=128,interleaved,ppo=1,v=4,uneven=1,ep=32,zero=1,opg=1,atp=1,ac=none,precision=fp8,"
+                 "dp=16,tp=2,pp=8,m=128,interleaved,ppo=1,v=4,uneven=1,ep=32,zero=1,opg=1,atp=1,atpb=1,ac=none,precision=fp8,"
                  "order=megatron,attn=cudnn",
                  2048, 4096, "tokens_per_s_per_gpu", 1204, MEGATRON_BRIDGE, compile=True, memory_comparable=False,
                  assumed="TP2 PP8 VP4 EP32 ETP1 CP1, MBS 1, GBS 2048, GA 128, seq 4096 from the table and "
@@ -129,7 +130,7 @@ RUNS: tuple[PublishedRun, ...] = (
                          "ETP 1); no recomputation (the yaml sets recompute_granularity null); the recipe's "
                          "account_for_embedding/loss_in_pipeline_split (94 layers + 2 over 32 chunks: 12 on the "
                          "busiest rank) priced as uneven=1; token drop at capacity factor 1 padded to capacity, "
-                         "alltoall dispatcher (run_script.py, as Qwen3-30B); tp_comm_overlap on priced as atp=1; "
+                         "alltoall dispatcher (run_script.py, as Qwen3-30B); tp_comm_overlap on priced as atp=1,atpb=1; "
                          + MOE_COMMON),
     PublishedRun("Megatron-Bridge DeepSeek-V3, 1024 H100 (25.09, dropless)", "deepseek-v3", "h100", 1024,
                  "dp=64,tp=2,pp=8,m=128,v=4,interleaved,ppo=1,uneven=1,ep=64,epo=1,zero=1,opg=1,ac=op,precision=fp8,"

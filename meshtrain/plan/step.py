@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..parallel.pipeline.schedule import bubble_fraction, simulate
 from .architectures import Arch
 from .clusters import Cluster
-from .collectives import collective, group_of, p2p
+from .collectives import beside, collective, group_of, p2p
 from .compute import (ACT_BYTES, StageCompute, attention_backward_ratio, attention_kv_width, layer_forward_parts,
                       matmul_chain, model_flops_per_token, stage_compute)
 from .layout import Layout, validate
@@ -206,7 +206,15 @@ def _tensor_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int, 
     projection, the same pair in the MLP (w1 and w3; w2). Recomputation repeats the forward, overlapped
     alike. The backward's collectives stay whole: PyTorch's async TP reports "up to ~29% forward pass
     speedup and ~8% E2E speedup" for Llama 3 (discuss.pytorch.org/t/209487, "Introducing Async Tensor
-    Parallelism in PyTorch"), an end-to-end gain only a forward-only overlap accounts for."""
+    Parallelism in PyTorch"), an end-to-end gain only a forward-only overlap accounts for.
+
+    Transformer Engine's userbuffers (``atpb=1``: Megatron's ``--tp-comm-overlap``, TE's default methods
+    in ``initialize_ub``, TE 8e039fd of July 2024 and since) overlap the backward as well: the output
+    gradient's gather beside the row-parallel dgrad GEMM (a ring exchange, like the forward's gathers);
+    the saved input's gather beside the column-parallel dgrad GEMMs, and their input gradient's
+    reduce-scatter beside their wgrad GEMMs ("bulk": the whole collective at once). The forward's
+    reduce-scatters are pipelined in ``TE_PIPELINE_SPLITS`` pieces; they and the bulk ones run on
+    ``TE_COMM_SMS`` SMs, which the GEMM beside them loses meanwhile (``beside``); the ring exchanges on one."""
     tp_group = group_of(layout, cluster, ("tp",))
     h_bytes = tokens * arch.dim * ACT_BYTES[layout.precision]
     n_dense, n_moe = stage_layer_mix(arch, layout)
@@ -229,15 +237,41 @@ def _tensor_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int, 
     mm, _, _ = layer_forward_parts(arch, layout, cluster, tokens, seq)
     per_param = mm / sum(chain)  # forward matmul seconds per weight of the dense block
 
+    # TE's pipelined and bulk collectives hold SMs beside their GEMM; PyTorch's use the copy engines
+    # and cut the forward's reduce-scatter into TE_PIPELINE_SPLITS pieces, not tp
+    share = TE_COMM_SMS / cluster.sm_count if layout.async_tp_backward and cluster.sm_count else 0.0
+    rs_hide = (TE_PIPELINE_SPLITS - 1) / TE_PIPELINE_SPLITS if layout.async_tp_backward else hide
+
     def exposed(group: list[float], factor: float) -> float:
         """A gather beside the group's first matmuls, a reduce-scatter beside its last."""
         return max(0.0, ag - factor * per_param * sum(group[:-1]) * hide) + \
-            max(0.0, rs - factor * per_param * group[-1] * hide)
+            beside(rs, factor * per_param * group[-1] * rs_hide, share)
 
     shared = moe_mlp * (ag + rs)  # a MoE block's shared experts: priced without overlap
+    if layout.async_tp_backward:  # TE's userbuffers: the backward overlapped too
+
+        def exposed_backward(group: list[float]) -> float:
+            """The output gradient's gather beside the last matmul's dgrad (ring exchange); the saved
+            input's gather beside the first matmuls' dgrad, their input gradient's scatter beside their
+            wgrad (bulk; a dgrad or wgrad GEMM has the forward's FLOPs)."""
+            first, last = per_param * sum(group[:-1]), per_param * group[-1]
+            return max(0.0, ag - last * hide) + beside(ag, first, share) + beside(rs, first, share)
+
+        b = n_dense * (exposed_backward(attn) + exposed_backward(mlp)) + \
+            n_moe * (exposed_backward(attn) + moe_mlp * (ag + rs))
+    else:
+        b = n_dense * 2 * (ag + rs) + n_moe * (ag + rs) * (1 + moe_mlp)  # backward: not decomposed
     f = n_dense * (exposed(attn, 1) + exposed(mlp, 1)) + n_moe * (exposed(attn, 1) + shared)
-    b = n_dense * 2 * (ag + rs) + n_moe * (ag + rs) * (1 + moe_mlp)  # backward: not decomposed
     return f, b
+
+
+TE_COMM_SMS = 16
+"""SMs Transformer Engine's pipelined and bulk userbuffers collectives hold beside a GEMM: ``num_sm``'s
+default for every method but the ring exchange (1), with no SM margin kept for the GEMM
+(``initialize_ub`` in ``transformer_engine/pytorch/module/base.py``, TE 8e039fd, July 2024)."""
+TE_PIPELINE_SPLITS = 4
+"""Pieces TE's pipelined reduce-scatter cuts a forward GEMM into (``num_splits``'s default there): the
+first piece's GEMM runs before any of it can be scattered."""
 
 
 def _context_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int, seq: int,

@@ -10,14 +10,14 @@ import pytest
 from meshtrain.errors import ConfigError
 from meshtrain.plan.architectures import ARCHS
 from meshtrain.plan.clusters import PRESETS
-from meshtrain.plan.collectives import Group, collective
+from meshtrain.plan.collectives import Group, collective, group_of
 from meshtrain.plan.compute import (ACT_BYTES, attention_rate, elementwise_bytes, elementwise_per_token,
                                     fp8_cast_bytes_per_token, layer_forward_parts, matmul_chain,
                                     op_recomputed_matmul_share, ring_merge_bytes)
 from meshtrain.plan.layout import Layout, parse_layout, validate
 from meshtrain.plan.memory import activation_memory, loss_bytes_per_vocab, memory_per_rank, stage_params
 from meshtrain.plan.search import search
-from meshtrain.plan.step import _context_parallel, _tensor_parallel, predict
+from meshtrain.plan.step import TE_COMM_SMS, _context_parallel, _tensor_parallel, predict
 
 H100 = PRESETS["h100"]
 L8B, L70B = ARCHS["llama3-8b"], ARCHS["llama3-70b"]
@@ -174,6 +174,27 @@ def test_async_tp_hides_part_of_the_forward_collectives_and_none_of_the_backward
         predict(L70B, H100, layout, 4, 8192).step_time
     with pytest.raises(ConfigError, match="atp=1"):
         validate(parse_layout("dp=8,atp=1"), L8B, 8, 8, 4096)
+
+
+def test_transformer_engines_userbuffers_also_hide_the_backward_but_hold_sms():
+    # Megatron's --tp-comm-overlap: the backward's four collectives a block overlapped too (atpb=1)
+    fwd_only = parse_layout("dp=4,tp=8,atp=1,zero=1,ac=none")
+    te = dataclasses.replace(fwd_only, async_tp_backward=True)
+    tokens = 8192
+    f1, b1 = _tensor_parallel(L70B, H100, fwd_only, tokens, 8192, {})
+    f2, b2 = _tensor_parallel(L70B, H100, te, tokens, 8192, {})
+    assert b2 < b1
+    # the bulk gather and scatter beside the first matmuls cost at least their SMs' share of themselves,
+    # and TE's forward scatter (4 pieces, SMs held) hides no more than PyTorch's (tp pieces, copy engines)
+    group = group_of(te, H100, ("tp",))
+    h_bytes = tokens * L70B.dim * ACT_BYTES["bf16"]
+    ag, _ = collective("all_gather", h_bytes, group, H100)
+    rs, _ = collective("reduce_scatter", h_bytes, group, H100)
+    assert b2 >= L70B.n_layers * 2 * (TE_COMM_SMS / H100.sm_count) * (ag + rs) * (1 - 1e-9)
+    assert f2 >= f1
+    assert parse_layout("dp=4,tp=8,atp=1,atpb=1").label().count("atpb=1") == 1
+    with pytest.raises(ConfigError, match="atpb=1.*atp=1"):
+        validate(parse_layout("dp=1,tp=8,atpb=1"), L70B, 8, 8, 4096)
 
 
 def test_float8_adds_the_casts_of_every_linears_input_and_output_gradient():
