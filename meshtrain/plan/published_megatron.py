@@ -22,7 +22,8 @@ MEGATRON_ASSUMED = ("tp=8, pp=6 from the README's model table for 177B (dp = GPU
                     "--overlap-param-gather, which the README names; fused kernels (compile); "
                     "Transformer Engine's cuDNN fused attention (attn=cudnn), Megatron's default backend with TE; "
                     "--tp-comm-overlap, which the README names: Transformer Engine's userbuffers with their default "
-                    "methods, forward and backward (atp=1,atpb=1)")
+                    "methods, forward and backward (atp=1,atpb=1; without --tp-comm-overlap-cfg Megatron passes TE "
+                    "no settings: megatron/training/initialize.py at 937571cfd4)")
 
 MODEL_TABLE_ASSUMED = ("the README's model table (images/model_table.png, commit 937571cfd4) gives heads, hidden "
                        "size, layers, TP, PP, DP, GPUs and batch; vocabulary 131,072 and seq 4096 from its text; "
