@@ -310,12 +310,35 @@ def dense_gemm_factors(arch: Arch, layout: Layout, cluster: Cluster, tokens: flo
     return fwd / total, bwd / total
 
 
-def head_forward(arch: Arch, layout: Layout, cluster: Cluster, tokens: int) -> float:
-    """Forward seconds of the output head and the loss (vocabulary split over tp) on ``tokens``."""
+def loss_bytes_per_logit(precision: str, compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) bytes the cross-entropy moves per logit, counted from the kernels PyTorch's
+    eager ``F.cross_entropy(logits.float(), labels)`` launches (torchtitan's and meshtrain's loss) for a
+    vocabulary row too long for shared memory (128K fp32 logits are 512 KB), so each pass goes to memory:
+
+    * forward: the up-cast (read a, write 4; none in fp32), log-softmax's max pass (r4), sum-of-exp
+      pass (r4) and output pass (r4 w4): 22 bytes at bf16;
+    * backward: nll_loss's zero-filled fp32 gradient (w4), log-softmax's backward, a sum pass over the
+      gradient (r4) and the output pass (r4 gradient, r4 saved output, w4), the down-cast (r4 w a):
+      26 bytes at bf16 (48 a logit in all; Megatron's unfused vocab-parallel loss, counted alike from
+      ``cross_entropy.py``, moves 52);
+    * compiled (``Layout.loss_compiled``): one kernel each way, reading the logits once forward and once
+      backward and writing their gradient: a and 2a."""
+    a = ACT_BYTES[precision]
+    if compiled:
+        return float(a), 2.0 * a
+    cast = _upcast(a) / 2  # one way
+    return cast + 16.0, 4.0 + 16.0 + cast
+
+
+def head_seconds_analytic(arch: Arch, layout: Layout, cluster: Cluster, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the output head and the loss (vocabulary split over tp) on
+    ``tokens``: the logits' matmul (its backward twice the FLOPs) and the loss's passes over the logits
+    (``loss_bytes_per_logit``)."""
     peak = cluster.per_rank_peak(layout.world, layout.precision)
-    flops = 2.0 * arch.vocab_size * arch.dim / layout.tp * tokens
-    loss_bytes = 3 * 4 * arch.vocab_size / layout.tp * tokens  # fp32 logits: softmax read, write, read
-    return flops / (peak * cluster.matmul_efficiency) + loss_bytes / cluster.per_rank_bandwidth(layout.world)
+    gemm = 2.0 * arch.vocab_size * arch.dim / layout.tp * tokens / (peak * cluster.matmul_efficiency)
+    fwd, bwd = loss_bytes_per_logit(layout.precision, layout.loss_compiled)
+    per_byte = arch.vocab_size / layout.tp * tokens / cluster.per_rank_bandwidth(layout.world)
+    return gemm + fwd * per_byte, 2 * gemm + bwd * per_byte
 
 
 def stage_layers(arch: Arch, layout: Layout) -> int:
@@ -381,8 +404,7 @@ def stage_compute(arch: Arch, layout: Layout, cluster: Cluster, microbatch_seqs:
     else:
         attn_b = attention_backward_ratio(cluster, layout, seq) * attn
     bwd_layer = 2 * mm * _backward_gemm_ratio(arch, layout, cluster, tokens) + attn_b + elem_b
-    head_f = head_forward(arch, layout, cluster, tokens)
-    head_b = 2 * head_f
+    head_f, head_b = head_seconds_analytic(arch, layout, cluster, tokens)
     measured = False
     if cluster.profile_compute and layout.precision == "fp32" and profileable(arch, layout.tp, tokens):
         threads = threads_per_rank(layout.world)  # measured, not a roofline: see profile.py

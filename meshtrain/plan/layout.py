@@ -107,10 +107,12 @@ class Layout:
     full-width K/V, and the repeat copies them once a block. meshtrain passes the kv heads (its ring
     sends them as they are). For pricing a peer's run."""
     loss_compiled: bool = False
-    """The cross-entropy under ``torch.compile`` (torchtitan's ``build_cross_entropy_loss`` with
-    ``--training.compile``, e7c0cae; at 9dec370 it was commented out): the up-cast and the log-softmax
-    fuse into the loss's kernels, so only the logits and their gradient are held (``memory.
-    loss_bytes_per_vocab``). meshtrain's loss runs eagerly. Memory only; for pricing a peer's run."""
+    """The cross-entropy fused into one kernel each way: under ``torch.compile`` (torchtitan's
+    ``build_cross_entropy_loss`` with ``--training.compile``, e7c0cae; at 9dec370 it was commented out)
+    or a fused loss kernel (llm-foundry's default ``fused_crossentropy``, flash-attn's): the up-cast and
+    the log-softmax fuse into the loss's kernels, so only the logits and their gradient are held (``memory.
+    loss_bytes_per_vocab``) and it makes one pass over them each way (``compute.loss_bytes_per_logit``).
+    meshtrain's loss runs eagerly. For pricing a peer's run."""
     fsdp_pp: bool = False
     """PyTorch FSDP2 under a pipeline (torch.distributed.pipelining, torchtitan): the stage's unsharded
     weights and its unsharded fp32 gradients are kept across micro-batches and reduce-scattered once at

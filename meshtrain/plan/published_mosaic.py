@@ -16,7 +16,8 @@ COMMON = ("FULL_SHARD = zero=3; Activation Checkpointing True = full recomputati
           "GradAccum, micro-batch = MicroBatchSize; attention: llm-foundry's Triton FlashAttention (attn=triton), "
           "the benchmark script's default (scripts/train/benchmarking/submit_benchmarks.py, --attn_impl default "
           "'triton', at commits c6cfb4284 (2023-07) and b2a43a147 (2023-10), which produced the tables); "
-          "unstated: the torch / CUDA versions, FSDP prefetch settings; eager (no torch.compile); MPT's biases "
+          "the loss: llm-foundry's default fused_crossentropy (flash-attn's fused kernel; modeling_mpt.py at "
+          "c6cfb4284), priced as a fused loss (closs=1); unstated: the torch / CUDA versions, FSDP prefetch settings; eager (no torch.compile); MPT's biases "
           "and learned positions (0.4% of the parameters) left out")
 PURE = ("MP mode PURE: gradients reduce-scattered in bf16 (priced in fp32: meshtrain's rule), weights gathered "
         "in bf16")
@@ -29,7 +30,7 @@ DEFAULT = "MP mode DEFAULT: weights gathered in bf16, gradients reduced in fp32 
 def _run(model: str, cluster: str, gpus: int, seq: int, mb: int, accum: int, ac: bool, tps: float, mode: str,
          role: str = "check") -> PublishedRun:
     label = {"a100-40gb": "A100-40GB", "a100": "A100-80GB", "h100": "H100"}[cluster]
-    layout = f"dp={gpus}" + (f",m={accum}" if accum > 1 else "") + ",zero=3,attn=triton,ac=" + \
+    layout = f"dp={gpus}" + (f",m={accum}" if accum > 1 else "") + ",zero=3,attn=triton,closs=1,ac=" + \
         ("full" if ac else "none")
     return PublishedRun(f"MosaicML {model.upper()}, {gpus} {label}, {seq} tokens", model, cluster, gpus, layout,
                         gpus * mb * accum, seq, "tokens_per_s_per_gpu", tps, README, role=role,

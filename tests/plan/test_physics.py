@@ -12,7 +12,8 @@ from meshtrain.plan.architectures import ARCHS
 from meshtrain.plan.clusters import PRESETS
 from meshtrain.plan.collectives import Group, collective, group_of
 from meshtrain.plan.compute import (ACT_BYTES, attention_rate, elementwise_bytes, elementwise_per_token,
-                                    fp8_cast_bytes_per_token, layer_forward_parts, matmul_chain,
+                                    fp8_cast_bytes_per_token, head_seconds_analytic, layer_forward_parts,
+                                    loss_bytes_per_logit, matmul_chain,
                                     op_recomputed_matmul_share, ring_merge_bytes)
 from meshtrain.plan.layout import Layout, parse_layout, validate
 from meshtrain.plan.memory import activation_memory, loss_bytes_per_vocab, memory_per_rank, stage_params
@@ -147,14 +148,14 @@ def test_zero3_root_gradient_is_held_where_the_loss_temporaries_are_smaller():
 
 def test_a_compiled_loss_holds_the_logits_and_their_gradient_only():
     """``closs=1`` (a peer whose cross-entropy is compiled): 2 + 2 bytes a logit at bf16 against
-    eager's 2 + 3 x 4; fp32 is 8 either way."""
+    eager's 2 + 3 x 4; fp32 is 8 either way. Its one pass each way is also faster."""
     assert loss_bytes_per_vocab("bf16", compiled=True) == 4.0 and loss_bytes_per_vocab("bf16") == 14.0
     assert loss_bytes_per_vocab("fp32", compiled=True) == loss_bytes_per_vocab("fp32") == 8.0
     eager, fused = parse_layout("dp=8,zero=3,ac=op"), parse_layout("dp=8,zero=3,ac=op,closs=1")
     assert fused.label().endswith("closs=1,zero=3,ac=op") and parse_layout(fused.label()) == fused
     drop = memory_per_rank(L8B, eager, 2, 8192).total - memory_per_rank(L8B, fused, 2, 8192).total
     assert drop == pytest.approx(2 * 8192 * L8B.vocab_size * (14 - 4))
-    assert predict(L8B, H100, eager, 16, 8192).step_time == predict(L8B, H100, fused, 16, 8192).step_time
+    assert predict(L8B, H100, fused, 16, 8192).step_time < predict(L8B, H100, eager, 16, 8192).step_time
 
 
 def test_fsdp_under_a_pipeline_keeps_the_stages_unsharded_fp32_gradients():
@@ -195,6 +196,22 @@ def test_transformer_engines_userbuffers_also_hide_the_backward_but_hold_sms():
     assert parse_layout("dp=4,tp=8,atp=1,atpb=1").label().count("atpb=1") == 1
     with pytest.raises(ConfigError, match="atpb=1.*atp=1"):
         validate(parse_layout("dp=1,tp=8,atpb=1"), L70B, 8, 8, 4096)
+
+
+def test_the_losss_passes_are_the_kernels_pytorch_launches():
+    # eager F.cross_entropy(logits.float()): forward the up-cast (r2 w4), log-softmax's max, sum and
+    # output passes (r4, r4, r4 w4); backward nll's zeroed gradient (w4), log-softmax backward's sum and
+    # output passes (r4; r4 r4 w4), the down-cast (r4 w2)
+    fwd, bwd = [2 + 4, 4, 4, 4 + 4], [4, 4, 4 + 4 + 4, 4 + 2]
+    assert loss_bytes_per_logit("bf16") == (sum(fwd), sum(bwd)) == (22, 26)
+    assert loss_bytes_per_logit("fp32") == (sum(fwd) - 6, sum(bwd) - 6)  # no casts
+    assert loss_bytes_per_logit("bf16", compiled=True) == (2, 4)  # read the logits; read again, write the gradient
+    eager = Layout(dp=1, precision="bf16")
+    f, b = head_seconds_analytic(L8B, eager, H100, 8192)
+    fc, bc = head_seconds_analytic(L8B, dataclasses.replace(eager, loss_compiled=True), H100, 8192)
+    per_byte = L8B.vocab_size * 8192 / H100.per_rank_bandwidth(1)
+    assert f - fc == pytest.approx((22 - 2) * per_byte) and b - bc == pytest.approx((26 - 4) * per_byte)
+    assert b > 2 * fc  # the logits' matmul backward is twice its forward, before any loss pass
 
 
 def test_float8_adds_the_casts_of_every_linears_input_and_output_gradient():
