@@ -96,7 +96,8 @@ def check(run: PublishedRun, with_search: bool = False) -> dict:
         fixed = {"precision": layout.precision, "compile": run.compile, "attn_kernel": layout.attn_kernel,
                  "overlap_param_gather": layout.overlap_param_gather, "ep_overlap": layout.ep_overlap,
                  "rank_order": layout.rank_order, "uneven": layout.uneven, "cp_allgather": layout.cp_allgather,
-                 "fsdp_pp": layout.fsdp_pp, "async_tp": layout.async_tp, "kv_repeat": layout.kv_repeat,
+                 "fsdp_pp": layout.fsdp_pp, "async_tp": layout.async_tp,
+                 "async_tp_backward": layout.async_tp_backward, "kv_repeat": layout.kv_repeat,
                  "p2p_overlap": layout.p2p_overlap}
         best = search(arch, cluster, run.gpus, run.global_batch, run.seq, fixed=fixed, top=1)[0]
         row.update(search_layout=best.layout.label(), search_value=metric_of(best, run.metric, arch, run.seq),

@@ -232,6 +232,11 @@ def test_search_prices_async_tp_only_where_the_runtime_has_it():
     assert not any(p.layout.async_tp for p in without)
     with_atp = search(arch, H100, 8, 16, 2048, {"compile": True, "zero_stage": 1, "async_tp": True}, top=50)
     assert all(p.layout.async_tp == (p.layout.tp > 1) for p in with_atp)
+    # TE's backward overlap too (a Megatron row's --search): on the tp > 1 candidates only, none refused
+    te = search(arch, H100, 8, 16, 2048, {"compile": True, "zero_stage": 1, "async_tp": True,
+                                          "async_tp_backward": True}, top=50)
+    assert len(te) == len(with_atp) and any(p.layout.tp > 1 for p in te)
+    assert all(p.layout.async_tp_backward == (p.layout.tp > 1) for p in te)
 
 
 def test_megatrons_p2p_overlap_hides_each_pipeline_transfer_behind_the_next_chunks_compute():
