@@ -28,10 +28,12 @@ MODELS = {"megatron-2024-gpt-1.7b": 1, "megatron-2024-gpt-7.1b": 2, "megatron-20
 """Model: its tp in the table."""
 
 
-def block_gemms(dim: int, tp: int, vocab: int) -> dict[str, tuple[int, int]]:
-    """(K, N) of each forward GEMM of one tp rank: reduction width K, output width N."""
-    return {"qkv": (dim, 3 * dim // tp), "proj": (dim // tp, dim), "fc1": (dim, 4 * dim // tp),
-            "fc2": (4 * dim // tp, dim), "head": (dim, vocab // tp)}
+def block_gemms(arch, tp: int, scale: int = 1) -> dict[str, tuple[int, int]]:
+    """(K, N) of each forward GEMM of one tp rank of ``arch`` (widths divided by ``scale`` for a smoke
+    run): reduction width K, output width N."""
+    d, qkv, o, ffn = (w // scale for w in (arch.dim, arch.q_dim + 2 * arch.kv_dim, arch.o_dim, arch.ffn_dim))
+    return {"qkv": (d, qkv // tp), "proj": (o // tp, d), "fc1": (d, ffn // tp), "fc2": (ffn // tp, d),
+            "head": (d, arch.vocab_size // scale // tp)}
 
 
 def _time(fn, repeats: int, cuda: bool) -> float:
@@ -94,9 +96,8 @@ def main(argv: list[str]) -> int:
     models = dict(list(MODELS.items())[:2]) if tiny else MODELS
     for name, tp in models.items():
         arch = ARCHS[name]
-        dim, vocab, tokens = (arch.dim // 16, arch.vocab_size // 64, 256) if tiny else \
-            (arch.dim, arch.vocab_size, TOKENS)
-        shapes = block_gemms(dim, tp, vocab)
+        tokens = 256 if tiny else TOKENS
+        shapes = block_gemms(arch, tp, 16 if tiny else 1)
         row: dict = {"model": name, "tp": tp, "tokens": tokens}
         block_f = block_b = 0.0
         for gemm, (k, n) in shapes.items():

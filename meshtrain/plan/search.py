@@ -93,11 +93,10 @@ def candidates(arch: Arch, cluster: Cluster, gpus: int, global_batch: int, seq: 
                                 zeros = [z for z in zeros if z >= (3 if base.offload == "params" else 1)]
                             for z in zeros:
                                 for rep in _replicas(dp, tp * pp * cp, cluster.gpus_per_node) if z else [1]:
+                                    atp = base.async_tp and tp > 1 and base.sequence_parallel
                                     layout = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, virtual=v,
                                                      schedule=sched, zero_stage=z, dp_replicate=rep, ep=1,
-                                                     async_tp=base.async_tp and tp > 1 and base.sequence_parallel,
-                                                     async_tp_backward=base.async_tp_backward and tp > 1
-                                                     and base.async_tp and base.sequence_parallel,
+                                                     async_tp=atp, async_tp_backward=base.async_tp_backward and atp,
                                                      p2p_overlap=base.p2p_overlap and sched == "interleaved")
                                     eps = [fixed["ep"]] if "ep" in fixed else ep_choices(arch, layout)
                                     for ep in eps:

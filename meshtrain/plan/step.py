@@ -255,10 +255,9 @@ def _tensor_parallel(arch: Arch, cluster: Cluster, layout: Layout, tokens: int, 
             input's gather beside the first matmuls' dgrad, their input gradient's scatter beside their
             wgrad (bulk; a dgrad or wgrad GEMM has the forward's FLOPs)."""
             first, last = per_param * sum(group[:-1]), per_param * group[-1]
-            return max(0.0, ag - last * hide) + beside(ag, first, share) + beside(rs, first, share)
+            return beside(ag, last * hide) + beside(ag, first, share) + beside(rs, first, share)
 
-        b = n_dense * (exposed_backward(attn) + exposed_backward(mlp)) + \
-            n_moe * (exposed_backward(attn) + moe_mlp * (ag + rs))
+        b = n_dense * (exposed_backward(attn) + exposed_backward(mlp)) + n_moe * (exposed_backward(attn) + shared)
     else:
         b = n_dense * 2 * (ag + rs) + n_moe * (ag + rs) * (1 + moe_mlp)  # backward: not decomposed
     f = n_dense * (exposed(attn, 1) + exposed(mlp, 1)) + n_moe * (exposed(attn, 1) + shared)

@@ -19,9 +19,9 @@ One run goes through three changes (one run, not three, for the suite's time):
 
 Asserted: every step's sample ids are those of an undisturbed run (each sample once, in the
 loader's order), every step's loss is within 1e-5 relative of that run's (one rank, the same global
-batch of 6: the elastic run trains it as 2 or 3 rows per dp rank; a single rank takes a third of the
-time dp3 x tp2 as threads takes on 2 cores, and layouts agree within 1e-5, as test_trainer holds), the steps replayed after each failure are the
-steps since the newest copy that survived (only the failures replay any), the rows' seconds add
+batch of 6, which the elastic run trains as 2 or 3 rows per dp rank: one rank takes a third of the
+time of dp3 x tp2 as threads on 2 cores, and layouts agree within 1e-5, as test_trainer holds), the
+steps replayed after each failure are the steps since the newest copy that survived (only the failures replay any), the rows' seconds add
 up, and the finished run leaves no replica in any host's /dev/shm. No periodic disk checkpoint
 (``checkpoint.every = 0``): the disk holds only what the stops save and the memory restores commit,
 so a failure that fell back to disk would replay every step since the previous change.
