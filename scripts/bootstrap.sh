@@ -14,7 +14,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 # Re-install only when pyproject.toml changed since the last successful install.
 STAMP=.venv/.meshtrain-installed
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || ! "$VPY" -c "import meshtrain, pytest, hypothesis, matplotlib, pytest_timeout, kubeflow.training" >/dev/null 2>&1; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || ! "$VPY" -c "import meshtrain, pytest, hypothesis, matplotlib, pytest_timeout, xdist, kubeflow.training" >/dev/null 2>&1; then
   "$VPY" -m pip install -q -e ".[dev]"
   touch "$STAMP"
 fi

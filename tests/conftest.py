@@ -1,5 +1,6 @@
 """Shared test settings: hypothesis profiles, an isolated calibration cache, a per-test timeout
-(pytest-timeout, set in pyproject.toml)."""
+(pytest-timeout, set in pyproject.toml), the leftover check, and what two xdist workers need
+(``_parallel_suite``)."""
 
 import atexit
 import os
@@ -9,9 +10,15 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
-if "MESHTRAIN_CACHE_DIR" not in os.environ:  # an isolated calibration cache, removed at exit
+from . import _parallel_suite as parallel
+
+parallel.give_worker_its_temp_dir()  # first: what follows makes temp dirs
+# an isolated calibration cache, removed at exit; an xdist worker makes its own rather than share the
+# one the controller made (the controller imports this file too)
+if "MESHTRAIN_CACHE_DIR" not in os.environ or os.environ.get("MESHTRAIN_SUITE_CACHE_MADE"):
     _cache = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
     os.environ["MESHTRAIN_CACHE_DIR"] = _cache
+    os.environ["MESHTRAIN_SUITE_CACHE_MADE"] = "1"
     atexit.register(shutil.rmtree, _cache, True)
 # torch's compiler caches (inductor: the meta-device model build of test_preset_sizes already
 # makes one) default to <tmp>/torchinductor_<user>: keep them in the run's own directory, so a
@@ -30,11 +37,7 @@ import pathlib  # noqa: E402
 for _tree in ("meshtrain", "tests"):
     compileall.compile_dir(pathlib.Path(__file__).resolve().parent.parent / _tree, quiet=2)
 
-# The ranks of comm.launch.spawn fork from a server that imported torch once: start it now, so its
-# import overlaps collection and its temp dir (pymp-*, kept to the end) is there before any test looks.
 from meshtrain import worker_processes  # noqa: E402
-
-worker_processes.ensure_server()
 
 # One intra-op thread: most tests run ranks as threads of this process, which then share the
 # machine's cores (CI has 2); each rank with an intra-op pool of its own oversubscribes them and
@@ -68,21 +71,56 @@ def _leftovers() -> tuple[set[str], set[str]]:
     return shm, tmp
 
 
+_SHM_AT_START: set[str] = set()
+
+
+def pytest_configure(config):
+    """The controller of an xdist run makes the workers' shared directory and notes /dev/shm (checked
+    at the end: the workers share it, so no one test's view is its own); a process that runs tests
+    starts the fork server: comm.launch.spawn's ranks fork from it, so torch is imported once, its
+    import overlaps collection, and its temp dir (pymp-*, kept to the end) is there before any test
+    looks."""
+    if parallel.is_controller(config):
+        parallel.make_shared_dir()
+        _SHM_AT_START.update(_leftovers()[0])
+    else:
+        worker_processes.ensure_server()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The controller of an xdist run: fail the run if /dev/shm holds meshtrain's names it did not
+    hold at the start (rerun without -n to see which test left them)."""
+    if not parallel.is_controller(session.config):
+        return
+    left = sorted(_leftovers()[0] - _SHM_AT_START)
+    shutil.rmtree(os.environ[parallel.SHARED_ENV], ignore_errors=True)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.line("")  # end the progress line
+        reporter.write_line(f"left in /dev/shm by the run: {left} (rerun with -n 0 to see which test)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(autouse=True)
-def nothing_left_behind():
+def nothing_left_behind(request):
     """Every test, the failure tests above all (killed ranks, timeouts, bad input), must leave
-    /dev/shm and the temp dir as it found them."""
-    shm0, tmp0 = _leftovers()
-    yield
-    shm1, tmp1 = _leftovers()
-    assert not shm1 - shm0, f"left in /dev/shm: {sorted(shm1 - shm0)}"
+    /dev/shm and the temp dir as it found them (under xdist: its worker's temp dir; /dev/shm is
+    checked once for the run). A test marked ``alone`` has the host to itself meanwhile."""
+    with parallel.host_share(alone=request.node.get_closest_marker("alone") is not None):
+        shm0, tmp0 = _leftovers()
+        yield
+        shm1, tmp1 = _leftovers()
+    if not parallel.WORKER:
+        assert not shm1 - shm0, f"left in /dev/shm: {sorted(shm1 - shm0)}"
     assert not tmp1 - tmp0, f"left in {tempfile.gettempdir()}: {sorted(tmp1 - tmp0)}"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip, saying why, where torch sees no CUDA device (CI has none)."""
+    """The slowest files first (``_parallel_suite.slowest_first``); tests marked ``cuda`` skip, saying
+    why, where torch sees no CUDA device (CI has none)."""
     import torch
 
+    parallel.slowest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none "
