@@ -83,8 +83,17 @@ def pytest_configure(config):
     if parallel.is_controller(config):
         parallel.make_shared_dir()
         _SHM_AT_START.update(_leftovers()[0])
-    else:
+        return
+    # under pytest's global capture, as at conftest import: the ranks forked later inherit the
+    # server's stdout and stderr, which then land in the running test's captured output, not the terminal
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.resume_global_capture()
+    try:
         worker_processes.ensure_server()
+    finally:
+        if capture is not None:
+            capture.suspend_global_capture()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -69,7 +69,8 @@ def test_an_alone_test_holds_the_host_while_the_others_share_it(tmp_path, monkey
 
 def test_two_workers_find_a_leak_at_the_end_and_keep_an_alone_test_alone(tmp_path):
     """The suite's own machinery under ``-n 2`` (a run of two small files with this conftest): a
-    name left in /dev/shm fails the run naming it, and the ``alone`` test overlaps no other."""
+    name left in /dev/shm fails the run naming it, the ``alone`` test overlaps no other, and what
+    forked ranks print is their test's captured output."""
     leak = f"meshtrain.{os.getpid()}.suite-probe"
     probe = tmp_path / "probe"
     probe.mkdir()
@@ -78,8 +79,10 @@ def test_two_workers_find_a_leak_at_the_end_and_keep_an_alone_test_alone(tmp_pat
         "@pytest.mark.alone\n"
         "def test_alone(): t = time.time(); time.sleep(1.0); print('ALONE', t, time.time())\n"
         f"def test_leak(): open('/dev/shm/{leak}', 'w').close()\n")
-    (probe / "test_b.py").write_text("import time\n" + "".join(
-        f"def test_b{i}(): t = time.time(); time.sleep(0.3); print('OTHER', t, time.time())\n" for i in range(6)))
+    (probe / "test_b.py").write_text("import time\nfrom meshtrain.comm.launch import spawn\n" + "".join(
+        f"def test_b{i}(): t = time.time(); time.sleep(0.3); print('OTHER', t, time.time())\n" for i in range(6))
+        # ranks forked from the worker's fork server: their output belongs to the test, not the terminal
+        + "def test_ranks_print(): spawn(2, print, 'RANK-SAYS', transport=None)\n")
     # the inner run's temp dir is a short one: its workers' fork-server sockets lie four levels below
     # it, and a Unix socket's path may not pass 107 bytes (below this worker's own it would)
     short = tempfile.mkdtemp(prefix="x", dir="/tmp")
@@ -105,5 +108,7 @@ def test_two_workers_find_a_leak_at_the_end_and_keep_an_alone_test_alone(tmp_pat
             kind, start, end = line.split()
             spans[kind].append((float(start), float(end)))
     assert len(spans["ALONE"]) == 1 and len(spans["OTHER"]) == 6, out
+    passes = out.index("= PASSES =")  # -rA: the passed tests' captured output, each under its name
+    assert out.count("RANK-SAYS") == 2 and out.index("RANK-SAYS") > passes, out
     (a0, a1), = spans["ALONE"]
     assert all(end <= a0 or start >= a1 for start, end in spans["OTHER"]), spans
