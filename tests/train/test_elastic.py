@@ -285,11 +285,15 @@ def test_a_crash_resumes_from_the_step_kept_in_memory_not_the_disk_checkpoint(un
     shm.mkdir()
     monkeypatch.setenv("MESHTRAIN_REPLICA_DIR", str(shm))
     step, calls = trainer.measure_step, {}
+    # every rank in step 5 before any fails: a rank that failed at once would abort the others, and
+    # one slower out of step 4's all-reduce (a busy machine) would never start its copy of step 4
+    all_in_step_5 = threading.Barrier(4)
 
     def fail_in_step_5(*args, **kwargs):
         name = threading.current_thread().name
         calls[name] = calls.get(name, 0) + 1
         if calls[name] == 5:
+            all_in_step_5.wait(timeout=60)
             raise RuntimeError("this rank's host died")
         return step(*args, **kwargs)
 
