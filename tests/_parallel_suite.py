@@ -1,4 +1,5 @@
-"""The suite on two pytest-xdist workers (``make test`` runs ``-n 2 --dist loadfile``).
+"""The suite on two pytest-xdist workers (``make test`` runs ``-n 2 --dist loadfile
+--no-loadscope-reorder``).
 
 Run one after another, the tests keep about one of CI's two cores busy: many of them wait (for a
 dead rank's bound, a heartbeat, a restarted world). Two workers fill the other core. What that

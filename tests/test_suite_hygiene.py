@@ -4,6 +4,7 @@ fail it; under two xdist workers a leak still fails the run and an ``alone`` tes
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -38,30 +39,42 @@ def test_the_leftover_check_sees_meshtrain_names_only():
 
 def test_an_alone_test_holds_the_host_while_the_others_share_it(tmp_path, monkeypatch):
     """``host_share``: two shared holders overlap; an ``alone`` one waits for the holder it finds,
-    and a shared request made while it waits starts only after it (writer first)."""
+    and a shared request made while it waits starts only after it (writer first). No sleeps: each
+    step waits for the state it needs, so a busy machine cannot reorder them."""
     monkeypatch.setattr(parallel, "WORKER", "gw9")
     monkeypatch.setenv(parallel.SHARED_ENV, str(tmp_path))
     events: list[str] = []
-    first_in, alone_waiting = threading.Event(), threading.Event()
+    first_in, release = threading.Event(), threading.Event()
 
-    def hold(name: str, alone: bool, seconds: float, entered: threading.Event | None = None) -> None:
+    def hold(name: str, alone: bool, until: threading.Event | None = None) -> None:
         with parallel.host_share(alone):
             events.append(f"{name} in")
-            if entered is not None:
-                entered.set()
-            time.sleep(seconds)
+            if until is not None:
+                first_in.set()
+                assert until.wait(10)
             events.append(f"{name} out")
 
-    shared = threading.Thread(target=hold, args=("shared", False, 0.6, first_in))
+    shared = threading.Thread(target=hold, args=("shared", False, release))
     shared.start()
     assert first_in.wait(10)
     with parallel.host_share(False):  # a second shared holder gets in beside the first
         events.append("beside")
-    alone = threading.Thread(target=hold, args=("alone", True, 0.3, alone_waiting))
+    alone = threading.Thread(target=hold, args=("alone", True))
     alone.start()
-    time.sleep(0.2)  # the alone test is now waiting on the gate's holder's test
-    late = threading.Thread(target=hold, args=("late", False, 0.0))
+    gate_path = parallel._lock_paths()[0]
+    deadline = time.monotonic() + 10
+    with open(gate_path, "a") as gate:  # until the alone test holds the gate (and waits for the lock)
+        while True:
+            try:
+                fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            assert time.monotonic() < deadline, "the alone test never took the gate"
+            time.sleep(0.005)
+    late = threading.Thread(target=hold, args=("late", False))
     late.start()
+    release.set()
     for t in (shared, alone, late):
         t.join(10)
     assert events == ["shared in", "beside", "shared out", "alone in", "alone out", "late in", "late out"], events
