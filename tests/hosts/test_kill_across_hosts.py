@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli import main
+from meshtrain.procfs import alive as _alive
 from meshtrain.simhosts import SimulatedHosts
 from meshtrain.train.metrics import read_rows
 
@@ -33,17 +34,6 @@ COMMON = ["--checkpoint.every=2", "--model.preset=test", "--data.max_bytes=30000
           "--train.global_batch=4", "--train.seq_len=32", "--train.warmup_steps=2", "--comm.timeout_s=300",
           "--train.lr=0.001", "--train.min_lr=0.001"]  # a flat schedule: runs of other lengths agree step by step
 STEPS = 200  # far more than run before the kill: the run must still be training when it lands
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie has exited
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _train_until_killed(tmp_path: Path, what: str) -> tuple[SimulatedHosts, Path, list[int], float, list[int]]:

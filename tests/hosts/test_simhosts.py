@@ -10,19 +10,12 @@ import uuid
 
 import pytest
 
+from meshtrain.procfs import alive as _alive
 from meshtrain.simhosts import SimulatedHosts
 
 from ._util import ROOT, skip_without_namespaces
 
 PROBE = str(ROOT / "tests" / "hosts" / "_probe_worker.py")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _until(cond, timeout: float = 60.0) -> None:
