@@ -63,11 +63,15 @@ def test_bf16_keeps_fp32_parameters_gradients_and_optimizer_state():
 @pytest.fixture
 def own_header_dir(tmp_path, monkeypatch):
     """Inductor puts its precompiled C++ headers in <tmp>/torchinductor_<user> whatever
-    TORCHINDUCTOR_CACHE_DIR says (conftest moves the rest): keep the suite's temp dir clean."""
+    TORCHINDUCTOR_CACHE_DIR says (conftest moves the rest): keep the suite's temp dir clean. And
+    compile in this process: inductor's default pool of compile workers is fresh interpreters that
+    each import torch, 10 s of CPU more for this test on 2 cores, and the code it compiles is the same."""
     from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
 
     monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path / "headers"))
     monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(tmp_path / "headers" / "locks"))
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
 
 
 @pytest.mark.timeout(300)
