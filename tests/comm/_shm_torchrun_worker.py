@@ -1,6 +1,8 @@
 """Run by test_shm_failures under ``torchrun --standalone --nproc_per_node 4``: init(transport="auto")
 must pick shm on one host, and the collectives must agree with plain-torch references."""
 
+import os
+
 import torch
 
 import meshtrain.comm as mc
@@ -19,6 +21,7 @@ def main() -> None:
     b = torch.full((10,), float(r))
     mc.broadcast(b, 3)
     assert torch.equal(b, torch.full((10,), 3.0))
+    print(f"shm worker pid {os.getpid()}", flush=True)  # the test checks these ranks' segments are gone
     mc.barrier()
     if r == 0:
         print(f"shm worker OK world={p}", flush=True)

@@ -147,6 +147,13 @@ def list_segments() -> list[str]:
         return []
 
 
+def segments_of(pids: Iterable[int]) -> list[str]:
+    """Names of the meshtrain segments in /dev/shm owned by one of ``pids`` (a name starts with its
+    owner's pid), so a check of one job's leftovers ignores other jobs sharing /dev/shm."""
+    wanted = tuple(f"{PREFIX}{pid}." for pid in pids)
+    return [n for n in list_segments() if n.startswith(wanted)] if wanted else []
+
+
 def remove_segments_of(pids: Iterable[int]) -> list[str]:
     """Unlink every meshtrain segment owned by one of ``pids``; returns the names removed."""
     wanted = {f"{PREFIX}{pid}." for pid in pids}
