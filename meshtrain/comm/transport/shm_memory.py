@@ -156,19 +156,13 @@ def segments_of(pids: Iterable[int]) -> list[str]:
 
 def remove_segments_of(pids: Iterable[int]) -> list[str]:
     """Unlink every meshtrain segment owned by one of ``pids``; returns the names removed."""
-    wanted = {f"{PREFIX}{pid}." for pid in pids}
     removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(PREFIX) and any(name.startswith(w) for w in wanted):
-            try:
-                os.unlink(segment_path(name))
-                removed.append(name)
-            except OSError:
-                pass
+    for name in segments_of(pids):
+        try:
+            os.unlink(segment_path(name))
+            removed.append(name)
+        except OSError:
+            pass
     return removed
 
 
