@@ -98,12 +98,12 @@ def choose_algorithm(g: Group, op: str, algorithm: str, nbytes: int, dtype: torc
     it (``algorithms_for``), else ValueError listing those it does."""
     if algorithm == "auto":
         native_ok = dtype not in native.NO_NATIVE
-        static = select.choose(g, op, nbytes, native_ok=native_ok)
         tuner = g.tuner if g.tuner is not None else tune.of(g)
         if not tuner or op not in tune.TUNED_OPS:
-            return static
-        return tuner.pick(op, nbytes, dtype, static,
-                          lambda: select.candidates(g, op, nbytes, native_ok, static))
+            return select.choose(g, op, nbytes, native_ok=native_ok)
+        # the static choice only where a slot is new: a kept choice is a lookup
+        return tuner.pick(op, nbytes, dtype, lambda: select.candidates(
+            g, op, nbytes, native_ok, select.choose(g, op, nbytes, native_ok=native_ok)))
     valid = algorithms_for(op, g.comm.transport.kind)
     if algorithm not in valid:
         hint = " ('native' needs the torch transport)" if algorithm == "native" else ""

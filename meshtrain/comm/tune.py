@@ -155,13 +155,14 @@ class Tuner:
         self._pending = threading.local()  # the slot and algorithm of this thread's call being made
 
     # -- the call path -------------------------------------------------------------------------
-    def pick(self, op: str, nbytes: int, dtype: Any, static: str, candidates: Any) -> str:
+    def pick(self, op: str, nbytes: int, dtype: Any, candidates: Any) -> str:
         """The algorithm for this call; ``candidates()`` lists them (the static choice first) the
-        first time a slot is met. Collective in effect: every member makes the same calls."""
+        first time a slot is met, so a kept choice costs no static choice. Collective in effect: every
+        member makes the same calls."""
         key = (op, dtype, nbytes.bit_length(), self.group.comm.preferred_algorithm)
         slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[key] = self._new_slot(key, static, candidates)
+            slot = self.slots[key] = self._new_slot(key, candidates)
         slot.calls += 1
         if slot.choice is None:
             k = len(slot.candidates)
@@ -177,11 +178,11 @@ class Tuner:
                 return algo
             self._decide(key, slot)
             if slot.choice is None:  # a win over torch's own is being verified: its first call
-                return self.pick(op, nbytes, dtype, static, candidates)
+                return self.pick(op, nbytes, dtype, candidates)
         elif slot.calls - slot.kept_at > slot.period:
             self._check_drift(key, slot)
             if slot.choice is None:  # drifted: explore again from this call
-                return self.pick(op, nbytes, dtype, static, candidates)
+                return self.pick(op, nbytes, dtype, candidates)
         elif slot.calls - slot.kept_at > slot.period - RECENT and slot.source != "only candidate":
             self._pending.v = (slot, slot.choice, True)
         return slot.choice
@@ -221,7 +222,7 @@ class Tuner:
             raise err from None
         return [json.loads(p) for p in posts]
 
-    def _new_slot(self, key: tuple, static: str, candidates: Any) -> Slot:
+    def _new_slot(self, key: tuple, candidates: Any) -> Slot:
         slot = Slot(candidates())
         if slot.choice is None:
             if self.cached is None:  # first slot of the group: group rank 0's cached table for all

@@ -152,7 +152,7 @@ def test_the_call_path_verifies_a_win_over_native_then_keeps_it(monkeypatch):
     seconds = {"tree": 3.0, "native": 2.0, "ring": 1.0}
     ran = []
     for _ in range(150):
-        algo = t.pick("all_reduce", 4096, torch.float32, "tree", lambda: ["tree", "native", "ring"])
+        algo = t.pick("all_reduce", 4096, torch.float32, lambda: ["tree", "native", "ring"])
         pending = t.take()
         if pending is not None:
             tune.Tuner.record(pending, algo, seconds[algo])
