@@ -50,10 +50,6 @@ VOCAB = 512  # the trained tokenizer's vocabulary, which sets the model's (see D
 GLOBAL_BATCH, SEQ = 8, 64
 """The default step: 8 sequences of 64 tokens."""
 
-TINY_MODEL = {"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
-"""``test`` shrunk until its weights and activations are a few hundred KiB: a run of it measures what
-a training process holds besides the model (``host.measure_runtime_memory``)."""
-
 
 def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq: int, out: Path,
                model_fields: dict[str, int] | None = None) -> list[str]:

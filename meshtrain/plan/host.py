@@ -82,9 +82,10 @@ def measure_bandwidth(repeats: int = 30) -> float:
     return rate
 
 
-RUNTIME_FOOTPRINT = 2
+RUNTIME_FOOTPRINT = 3
 """Part of the runtime memory's cache key: raise it when what a worker holds changes, so a cached figure is
-measured anew (2: figures cached before session 21 were about 50 MiB above what its workers hold)."""
+measured anew (2: figures cached before session 21 were about 50 MiB above what its workers hold; 3: measured
+on the ``test`` preset instead of a dim-16 shrink of it, about 13 MiB more)."""
 
 
 def _runtime_key() -> str:
@@ -93,29 +94,34 @@ def _runtime_key() -> str:
 
 def measure_runtime_memory() -> float:
     """Bytes a training process holds besides its model: the peak resident set of a one-rank
-    ``meshtrain train`` of ``bench.TINY_MODEL`` (the interpreter and torch, the library code its
+    ``meshtrain train`` of the ``test`` preset (the interpreter and torch, the library code its
     kernels page in, the tokenizer and data, metrics and logging), less what the planner predicts that
     model's weights, gradients, optimizer state and activations take. Cached per interpreter, torch and
-    ``RUNTIME_FOOTPRINT``."""
+    ``RUNTIME_FOOTPRINT``.
+
+    The smallest real preset, not a shrink of it: what a process holds beyond the planner's count grows
+    with the model it runs (here, one rank: 277 MiB from a dim-16 model, 290 from ``test``, 298 from
+    ``5m``; docs/benchmarks.md, session 29), so a base measured on a model that runs none of a real
+    model's kernel sizes priced every this-host layout low (14-40 MiB, the HSDP pair beyond 10 %)."""
     key = _runtime_key()
     cached = _cached("runtime_memory.json", key)
     if cached:
         return cached
-    from .bench import GLOBAL_BATCH, SEQ, TINY_MODEL, VOCAB, measure  # bench imports this module
+    from .bench import GLOBAL_BATCH, SEQ, VOCAB, measure  # bench imports this module
     from .layout import parse_layout
     from .memory import memory_per_rank
 
     try:
         with tempfile.TemporaryDirectory(prefix="meshtrain-runtime-") as tmp:
-            got = measure("test", "dp=1", 4, GLOBAL_BATCH, SEQ, Path(tmp), timeout=300, model_fields=TINY_MODEL)
+            got = measure("test", "dp=1", 4, GLOBAL_BATCH, SEQ, Path(tmp), timeout=300)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         warnings.warn(f"this-host: the one-rank training run that measures a process's runtime memory "
                       f"failed ({str(exc)[-300:]}); using the resident set after the imports instead, "
                       f"which leaves out about 40 MiB per rank (not cached: measured again next time)",
                       RuntimeWarning, stacklevel=2)
         return import_memory()
-    tiny = replace(PRESETS["test"], vocab_size=VOCAB, tie_embeddings=False, **TINY_MODEL)
-    held = memory_per_rank(from_llama_config("tiny", tiny), parse_layout("dp=1", precision="fp32"), GLOBAL_BATCH, SEQ)
+    test = replace(PRESETS["test"], vocab_size=VOCAB, tie_embeddings=False)
+    held = memory_per_rank(from_llama_config("test", test), parse_layout("dp=1", precision="fp32"), GLOBAL_BATCH, SEQ)
     value = got["peak_mem_bytes"] - held.total
     _store("runtime_memory.json", key, value)
     return value
