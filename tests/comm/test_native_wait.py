@@ -130,3 +130,116 @@ def test_on_a_crowded_host_a_large_op_is_looked_at_once_and_a_small_one_still_po
     op = FakeOp(looks=None)
     native._run(op, torch.ones(native.LOOK_MAX_BYTES // 4))
     assert op.work.seen == 1 and op.work.waited == 1
+
+
+# -- looking or parking, learned per size from the calls (algorithms/native_wait.py) --------------------------------
+
+from meshtrain.comm.algorithms import native_wait  # noqa: E402
+
+EXPLORING = native_wait.ROUNDS * 2 * native_wait.BLOCK
+
+
+class Clock:
+    """A clock the test moves: each simulated call takes what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(native_wait, "clock", c)
+    native_wait.reset("learn")
+    yield c
+    native_wait.reset("learn")
+
+
+def _calls(clock: Clock, n: int, seconds, nbytes: int = 4096) -> list[native_wait.Call]:
+    """``n`` calls of ``nbytes``, each taking ``seconds(call, i)``; returns their decisions."""
+    made = []
+    for i in range(n):
+        call = native_wait.begin(nbytes)
+        clock.now += seconds(call, i)
+        native_wait.record(call)
+        made.append(call)
+    return made
+
+
+def test_the_faster_mode_is_kept_and_the_first_call_of_each_block_is_not_counted(clock):
+    # parking is twice as fast, but the first parked call of each block (the switch) takes 100 s
+    def seconds(call, i):
+        return 1.0 if call.look else (100.0 if i % native_wait.BLOCK == 0 else 0.5)
+
+    made = _calls(clock, EXPLORING + 1, seconds)
+    assert [c.look for c in made[:EXPLORING]] == [
+        (i // native_wait.BLOCK) % 2 == 0 for i in range(EXPLORING)]  # look first, blocks alternating
+    assert native_wait.kept(4096) is False and made[-1].look is False and not made[-1].counted
+    assert native_wait.kept(1 << 20) is None  # another size class learns on its own
+
+
+def test_looking_stays_unless_parking_wins_by_more_than_prior(clock):
+    _calls(clock, EXPLORING + 1, lambda call, i: 1.0 if call.look else 1.0 / (1 + native_wait.PRIOR / 2))
+    assert native_wait.kept(4096) is True
+
+
+def test_the_schedule_depends_on_the_calls_alone_so_members_switch_together(clock):
+    a = [c.look for c in _calls(clock, EXPLORING, lambda call, i: 1.0 if call.look else 0.1)]
+    native_wait.reset("learn")
+    b = [c.look for c in _calls(clock, EXPLORING, lambda call, i: 0.1 if call.look else 7.0)]
+    assert a == b
+
+
+def test_a_kept_mode_is_explored_again_after_recheck_calls(clock):
+    _calls(clock, EXPLORING + 1, lambda call, i: 1.0 if call.look else 0.5)
+    assert native_wait.kept(4096) is False
+    kept = _calls(clock, native_wait.RECHECK, lambda call, i: 0.5)
+    assert all(not c.look and not c.counted for c in kept)
+    # the host changed: looking is now the faster
+    _calls(clock, EXPLORING + 1, lambda call, i: 0.5 if call.look else 1.0)
+    assert native_wait.kept(4096) is True
+
+
+def test_a_fixed_mode_never_explores():
+    try:
+        for setting, look in (("park", False), ("look", True)):
+            native_wait.reset(setting)
+            calls = [native_wait.begin(4096) for _ in range(EXPLORING + 1)]
+            assert all(c.look is look and not c.counted for c in calls)
+            assert native_wait.kept(4096) is None
+    finally:
+        native_wait.reset("learn")
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    monkeypatch.setenv("MESHTRAIN_NATIVE_WAIT", "fast")
+    with pytest.raises(ValueError, match=r"MESHTRAIN_NATIVE_WAIT='fast'.*learn.*look.*park"):
+        native.crowded(1)  # what comm.init calls
+    monkeypatch.setenv("MESHTRAIN_NATIVE_WAIT", "park")
+    native.crowded(1)
+    assert not native_wait.begin(4096).look
+    monkeypatch.delenv("MESHTRAIN_NATIVE_WAIT")
+    native.crowded(1)
+
+
+def test_run_parks_once_parking_measured_faster(monkeypatch, clock):
+    """Through ``_run``: a parked call is looked at once, then left to torch's wait."""
+    monkeypatch.setattr(native, "POLL_S", 0.002)
+    monkeypatch.setattr(native, "POLL_SMALL_S", 0.002)
+
+    class TimedWork(FakeWork):
+        def wait(self) -> bool:  # the op's time as the learner's clock sees it
+            clock.now += 1.0 if native._local.look else 0.5
+            return super().wait()
+
+    for _ in range(EXPLORING + 1):
+        op = FakeOp(looks=None)
+        op.work = TimedWork(looks=None)
+        native._run(op, torch.ones(16))
+    assert native_wait.kept(64) is False
+    op = FakeOp(looks=None)
+    native._run(op, torch.ones(16))
+    assert op.work.seen == 1 and op.work.waited == 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions as _AllgatherOptions  # not in dist.*
 
 from ..device import on_host
+from . import native_wait
 from ..transport.base import usable_cores
 from ..types import ReduceOp
 
@@ -94,6 +95,7 @@ YIELD_S, MIN_SLEEP_S, MAX_SLEEP_S = 200e-6, 50e-6, 1e-3
 
 class _Local(threading.local):
     guard: Guard | None = None  # a class default: a miss costs no AttributeError
+    look = True  # this thread's call looks at its op before parking (native_wait.begin)
 
 
 _local = _Local()
@@ -115,20 +117,25 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
     decorator) cost 12-35 µs a call here, and on this VM time in front of a gloo call costs two to
     four times its length (docs/benchmarks.md, session 15)."""
     cpu = _on_cpu(args[0])
-    work = direct() if direct is not None and cpu else None
     guard = _local.guard
     size = _nbytes(args[0])  # how long the wait looks at the op (polled)
-    if guard is not None:
-        guard.wait(work if work is not None else fn(*args, async_op=True, **kw), size)
-    elif not cpu:  # NCCL's ops are ordered on the stream (the host does not wait)
-        fn(*args, **kw)
-    elif fn in NO_FUTURE:  # cannot be looked at: wait as torch does
-        if work is not None:
-            work.wait()
+    if guard is None and (not cpu or fn in NO_FUTURE):
+        # NCCL's ops are ordered on the stream (the host does not wait); gloo's without a future
+        # cannot be looked at: both as torch calls them
+        if direct is not None and cpu:
+            direct().wait()
         else:
             fn(*args, **kw)
+        return
+    call = native_wait.begin(size) if cpu and fn not in NO_FUTURE else None
+    _local.look = call.look if call is not None else True  # look at the op, or park (native_wait.py)
+    work = direct() if direct is not None and cpu else fn(*args, async_op=True, **kw)
+    if guard is not None:
+        guard.wait(work, size)
     else:
-        finish(work if work is not None else fn(*args, async_op=True, **kw), size)
+        finish(work, size)
+    if call is not None:
+        native_wait.record(call)
 
 
 def _nbytes(t: torch.Tensor | list[torch.Tensor]) -> int:
@@ -168,8 +175,8 @@ def polled(work: dist.Work, nbytes: int = 0) -> bool:
     core per rank, an op below POLL_SMALL_MAX_BYTES is looked at for up to POLL_SMALL_S: such an op
     mostly ends within it, and a thread that parks sooner lets its core idle, whose wake-up here
     took a scheduler tick (~4 ms) on a quarter to half of 4 KB all-reduces (docs/benchmarks.md,
-    session 23)."""
-    if nbytes >= LOOK_MAX_BYTES and _crowded[0]:
+    session 23). A call whose learned mode is to park (``native_wait``) looks once."""
+    if not _local.look or (nbytes >= LOOK_MAX_BYTES and _crowded[0]):
         return work.is_completed()
     end = time.monotonic() + (POLL_SMALL_S if nbytes < POLL_SMALL_MAX_BYTES and not _crowded[0] else POLL_S)
     while not work.is_completed():
@@ -188,8 +195,10 @@ _crowded = [False]  # this host runs more ranks than this process may use cores 
 
 def crowded(ranks_here: int) -> None:
     """Tell the waits how many ranks share this host (comm.init): more than the cores this
-    process may use, and large ops are not looked at (``polled``)."""
+    process may use, and large ops are not looked at (``polled``). What the waits learned before is
+    forgotten (``native_wait.reset``)."""
     _crowded[0] = ranks_here > usable_cores()
+    native_wait.reset()
 
 
 def _check(t: torch.Tensor) -> torch.Tensor:

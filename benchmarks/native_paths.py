@@ -1,0 +1,102 @@
+"""Back-to-back time per call of torch's own collective against meshtrain's `native` path (the same
+op through meshtrain's front end, its metadata check and its wait) in its wait modes, and against
+meshtrain's own algorithms, in interleaved rounds (docs/benchmarks.md, session 30).
+
+    python benchmarks/native_paths.py BYTES WORLD [ROUNDS] [CALLS] [OP] [VARIANTS]
+    python benchmarks/native_paths.py 1048576 4 5 60 all_reduce torch,mc,mc-look,mc-park,mc-park-nocheck,ring
+
+Variants: ``torch`` (torch.distributed's op called directly: the peer), ``mc`` (meshtrain's native
+as configured: the wait mode learned, ``comm/algorithms/native_wait.py``), ``mc-look`` / ``mc-park``
+(the wait mode fixed), a ``-nocheck`` suffix (the metadata check off), or an algorithm name
+(``ring``, ``direct``, ...). Ranks are processes on the torch transport (gloo). Prints each
+variant's median over the rounds of the slowest rank's mean time per call, and torch's time over it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def _mc(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    import meshtrain.comm as mc
+
+    if op == "all_reduce":
+        mc.all_reduce(inp, algorithm=algo)
+    elif op == "all_gather":
+        mc.all_gather_into_tensor(out, inp, algorithm=algo)
+    elif op == "reduce_scatter":
+        mc.reduce_scatter_tensor(out, inp, algorithm=algo)
+    else:
+        raise SystemExit(f"op {op!r}: use all_reduce, all_gather or reduce_scatter")
+
+
+def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One rank: per round, per variant, a few untimed calls, a barrier, ``calls`` timed ones; the
+    times, and the wait mode ``mc`` learned for the size."""
+    import meshtrain.comm as mc
+    from meshtrain.bench.comm import _call, _inputs
+    from meshtrain.comm.algorithms import native_wait
+
+    torch.set_num_threads(1)
+    p = mc.get_world_size()
+    op = cfg["op"]
+    count = cfg["bytes"] // 4
+    count -= count % p
+    inp, out, _ = _inputs(op, count, p, rank, torch.float32)
+    comm = mc.current()
+
+    def setup(variant: str) -> Any:
+        name, _, rest = variant.partition("-")
+        comm.check = "nocheck" not in rest
+        native_wait.set_mode((rest.replace("nocheck", "").strip("-") or "learn") if name == "mc" else "learn")
+        if name == "torch":
+            return lambda: _call(op, "native", inp, out, p)
+        return lambda: _mc(op, "native" if name == "mc" else name, inp, out)
+
+    res: dict[str, list[float]] = {v: [] for v in cfg["variants"]}
+    for _ in range(cfg["rounds"]):
+        for v in cfg["variants"]:
+            call = setup(v)
+            for _ in range(5):
+                call()
+            mc.barrier()
+            t0 = time.perf_counter()
+            for _ in range(cfg["calls"]):
+                call()
+            res[v].append((time.perf_counter() - t0) / cfg["calls"] * 1e6)
+    kept = native_wait.kept(cfg["bytes"])
+    return {"times": res, "kept": {None: "exploring", True: "look", False: "park"}[kept]}
+
+
+def main(argv: list[str]) -> int:
+    """Run and print the table; returns the exit code."""
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    from meshtrain.comm.launch import spawn
+
+    nbytes, world = int(argv[0]), int(argv[1])
+    rounds = int(argv[2]) if len(argv) > 2 else 5
+    calls = int(argv[3]) if len(argv) > 3 else 50
+    op = argv[4] if len(argv) > 4 else "all_reduce"
+    variants = (argv[5] if len(argv) > 5 else "torch,mc,mc-look,mc-park,mc-park-nocheck,ring").split(",")
+    cfg = dict(op=op, bytes=nbytes, rounds=rounds, calls=calls, variants=variants)
+    out = spawn(world, rank_main, cfg, transport="torch", timeout=600)
+    base = None
+    for v in variants:
+        per_round = [max(o["times"][v][i] for o in out) for i in range(rounds)]
+        med = statistics.median(per_round)
+        base = base if base is not None else med
+        print(f"{op} {nbytes} p={world} {v:18s} median {med:8.0f} us  torch/this {base / med:.2f}  "
+              f"rounds {[round(x) for x in per_round]}")
+    print(f"# the wait mode mc learned, per rank: {[o['kept'] for o in out]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
