@@ -50,7 +50,7 @@ step() {  # step LANE NAME SECONDS CMD...: run CMD with at most SECONDS (and nev
 lane_a() {
     export CUDA_VISIBLE_DEVICES=""
     # meshtrain's native path (its wait mode learned, fixed, check off) against torch's own (session 30)
-    step A native-paths 60 taskset -c "$A_CPUS" bash -c "$PY benchmarks/native_paths.py 1048576 4 5 60 all_reduce \
+    step A native-paths 60 taskset -c "$A_CPUS" env NATIVE_PATHS_PROFILE=mc-park bash -c "$PY benchmarks/native_paths.py 1048576 4 5 60 all_reduce \
         torch,mc,mc-look,mc-park,mc-park-nocheck,ring && $PY benchmarks/native_paths.py 4096 8 5 60 all_gather \
         torch,mc,mc-look,mc-park,mc-park-nocheck,ring"
     # one op of one run per step, so that a step cut short leaves the ones before it

@@ -10,10 +10,16 @@ as configured: the wait mode learned, ``comm/algorithms/native_wait.py``), ``mc-
 (the wait mode fixed), a ``-nocheck`` suffix (the metadata check off), or an algorithm name
 (``ring``, ``direct``, ...). Ranks are processes on the torch transport (gloo). Prints each
 variant's median over the rounds of the slowest rank's mean time per call, and torch's time over it.
+``NATIVE_PATHS_PROFILE=VARIANT`` also prints rank 0's profile of that variant's first round (which the
+profiler slows: the median over the rounds leaves it out).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import os
+import pstats
 import statistics
 import sys
 import time
@@ -59,18 +65,27 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         return lambda: _mc(op, "native" if name == "mc" else name, inp, out)
 
     res: dict[str, list[float]] = {v: [] for v in cfg["variants"]}
-    for _ in range(cfg["rounds"]):
+    profile = None
+    for r in range(cfg["rounds"]):
         for v in cfg["variants"]:
             call = setup(v)
             for _ in range(5):
                 call()
             mc.barrier()
+            prof = cProfile.Profile() if rank == 0 and r == 0 and v == cfg["profile"] else None
+            if prof is not None:
+                prof.enable()
             t0 = time.perf_counter()
             for _ in range(cfg["calls"]):
                 call()
             res[v].append((time.perf_counter() - t0) / cfg["calls"] * 1e6)
+            if prof is not None:
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+                profile = text.getvalue()
     kept = native_wait.kept(cfg["bytes"])
-    return {"times": res, "kept": {None: "exploring", True: "look", False: "park"}[kept]}
+    return {"times": res, "kept": {None: "exploring", True: "look", False: "park"}[kept], "profile": profile}
 
 
 def main(argv: list[str]) -> int:
@@ -85,7 +100,8 @@ def main(argv: list[str]) -> int:
     calls = int(argv[3]) if len(argv) > 3 else 50
     op = argv[4] if len(argv) > 4 else "all_reduce"
     variants = (argv[5] if len(argv) > 5 else "torch,mc,mc-look,mc-park,mc-park-nocheck,ring").split(",")
-    cfg = dict(op=op, bytes=nbytes, rounds=rounds, calls=calls, variants=variants)
+    cfg = dict(op=op, bytes=nbytes, rounds=rounds, calls=calls, variants=variants,
+               profile=os.environ.get("NATIVE_PATHS_PROFILE"))
     out = spawn(world, rank_main, cfg, transport="torch", timeout=600)
     base = None
     for v in variants:
@@ -95,6 +111,8 @@ def main(argv: list[str]) -> int:
         print(f"{op} {nbytes} p={world} {v:18s} median {med:8.0f} us  torch/this {base / med:.2f}  "
               f"rounds {[round(x) for x in per_round]}")
     print(f"# the wait mode mc learned, per rank: {[o['kept'] for o in out]}")
+    if out[0]["profile"]:
+        print(f"# rank 0's first round of {cfg['profile']}, by time inside each function:\n{out[0]['profile']}")
     return 0
 
 
