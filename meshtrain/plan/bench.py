@@ -51,10 +51,8 @@ GLOBAL_BATCH, SEQ = 8, 64
 """The default step: 8 sequences of 64 tokens."""
 
 
-def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq: int, out: Path,
-               model_fields: dict[str, int] | None = None) -> list[str]:
-    """The ``meshtrain train`` arguments that run ``layout_text`` (fp32 on the CPU), with ``model_fields``
-    overriding the preset's ``LlamaConfig`` fields."""
+def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq: int, out: Path) -> list[str]:
+    """The ``meshtrain train`` arguments that run ``layout_text`` (fp32 on the CPU)."""
     lay = parse_layout(layout_text, precision="fp32")
     ac = {"none": "none", "full": "full", "selective": "selective", "op": "selective"}[lay.ac]
     return ["train", f"--out={out}", f"--model.preset={model}", f"--train.steps={steps}", "--train.warmup_steps=1",
@@ -63,15 +61,14 @@ def train_args(layout_text: str, model: str, steps: int, global_batch: int, seq:
             f"--parallel.cp={lay.cp}", f"--parallel.zero_stage={lay.zero_stage}",
             f"--parallel.microbatches={lay.microbatches}", f"--parallel.schedule={lay.schedule}",
             f"--parallel.virtual_stages={lay.virtual}", f"--parallel.activation_checkpointing={ac}",
-            f"--parallel.sequence_parallel={'true' if lay.tp > 1 else 'false'}", *DATA,
-            *(f"--model.{k}={v}" for k, v in (model_fields or {}).items())]
+            f"--parallel.sequence_parallel={'true' if lay.tp > 1 else 'false'}", *DATA]
 
 
 def measure(model: str, layout_text: str, steps: int, global_batch: int, seq: int, out: Path,
-            timeout: float = 600, model_fields: dict[str, int] | None = None) -> dict:
+            timeout: float = 600) -> dict:
     """Run ``meshtrain train`` and return rank 0's median and fastest step seconds and peak memory bytes."""
     cmd = [sys.executable, "-m", "meshtrain.cli",
-           *train_args(layout_text, model, steps, global_batch, seq, out, model_fields)]
+           *train_args(layout_text, model, steps, global_batch, seq, out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"meshtrain train failed ({proc.returncode}): {proc.stderr[-2000:]}")
