@@ -25,26 +25,18 @@ EDGES_US = (0, 100, 200, 400, 800, 1600, 3200, 6400, float("inf"))
 def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
     """One rank: ``cfg["calls"]`` timed calls of each algorithm after 10 untimed ones."""
     import meshtrain.comm as mc
-    from meshtrain.bench.comm import _call, _inputs
+    from meshtrain.bench.comm import _call, float32_inputs, mc_call
 
     torch.set_num_threads(1)
     p = mc.get_world_size()
     op = cfg["op"]
-    count = cfg["bytes"] // 4
-    count -= count % p
-    inp, out, _ = _inputs(op, count, p, rank, torch.float32)
+    inp, out, _ = float32_inputs(op, cfg["bytes"], p, rank)
 
     def call(algo: str) -> None:
-        if not algo.startswith("mc:"):
-            _call(op, algo, inp, out, p)
-        elif op == "all_reduce":
-            mc.all_reduce(inp, algorithm=algo[3:])
-        elif op == "all_gather":
-            mc.all_gather_into_tensor(out, inp, algorithm=algo[3:])
-        elif op == "reduce_scatter":
-            mc.reduce_scatter_tensor(out, inp, algorithm=algo[3:])
+        if algo.startswith("mc:"):
+            mc_call(op, algo[3:], inp, out, p)
         else:
-            raise SystemExit(f"op {op!r}: use all_reduce, all_gather or reduce_scatter")
+            _call(op, algo, inp, out, p)
 
     times: dict[str, list[float]] = {}
     for algo in cfg["algorithms"]:

@@ -28,32 +28,17 @@ from typing import Any
 import torch
 
 
-def _mc(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor) -> None:
-    import meshtrain.comm as mc
-
-    if op == "all_reduce":
-        mc.all_reduce(inp, algorithm=algo)
-    elif op == "all_gather":
-        mc.all_gather_into_tensor(out, inp, algorithm=algo)
-    elif op == "reduce_scatter":
-        mc.reduce_scatter_tensor(out, inp, algorithm=algo)
-    else:
-        raise SystemExit(f"op {op!r}: use all_reduce, all_gather or reduce_scatter")
-
-
 def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: per round, per variant, a few untimed calls, a barrier, ``calls`` timed ones; the
     times, and the wait mode ``mc`` learned for the size."""
     import meshtrain.comm as mc
-    from meshtrain.bench.comm import _call, _inputs
+    from meshtrain.bench.comm import float32_inputs, mc_call, torch_call
     from meshtrain.comm.algorithms import native_wait
 
     torch.set_num_threads(1)
     p = mc.get_world_size()
     op = cfg["op"]
-    count = cfg["bytes"] // 4
-    count -= count % p
-    inp, out, _ = _inputs(op, count, p, rank, torch.float32)
+    inp, out, _ = float32_inputs(op, cfg["bytes"], p, rank)
     comm = mc.current()
 
     def setup(variant: str) -> Any:
@@ -61,8 +46,8 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         comm.check = "nocheck" not in rest
         native_wait.set_mode((rest.replace("nocheck", "").strip("-") or "learn") if name == "mc" else "learn")
         if name == "torch":
-            return lambda: _call(op, "native", inp, out, p)
-        return lambda: _mc(op, "native" if name == "mc" else name, inp, out)
+            return lambda: torch_call(op, inp, out)
+        return lambda: mc_call(op, "native" if name == "mc" else name, inp, out, p)
 
     res: dict[str, list[float]] = {v: [] for v in cfg["variants"]}
     profile = None

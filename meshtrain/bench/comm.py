@@ -52,26 +52,46 @@ def _inputs(op: str, count: int, p: int, rank: int, dtype: torch.dtype) -> tuple
     raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
 
 
+def float32_inputs(op: str, nbytes: int, p: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_inputs`` in float32 for about ``nbytes`` of data, the element count a multiple of ``p``
+    (the per-call benchmarks in ``benchmarks/``)."""
+    count = nbytes // 4
+    return _inputs(op, count - count % p, p, rank, torch.float32)
+
+
 def _call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> None:
+    """One call of ``op``: torch.distributed's own for ``native`` (the peer), else meshtrain's."""
+    if algo == "native":
+        torch_call(op, inp, out)
+    else:
+        mc_call(op, algo, inp, out, p)
+
+
+def torch_call(op: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """``op`` through torch.distributed directly (the peer every bench compares with)."""
     import torch.distributed as dist
 
-    import meshtrain.comm as mc
     from meshtrain.comm.algorithms import native
 
-    if algo == "native":  # the peer: torch.distributed directly
-        if op == "all_reduce":
-            dist.all_reduce(inp)
-        elif op == "reduce":
-            dist.reduce(inp, 0)
-        elif op == "broadcast":
-            dist.broadcast(inp, 0)
-        elif op == "all_gather":  # the names torch 2.13 keeps (the old ones warn on every call)
-            native.ALL_GATHER_SINGLE(out, inp)
-        elif op == "reduce_scatter":
-            native.REDUCE_SCATTER_SINGLE(out, inp)
-        elif op == "all_to_all":
-            dist.all_to_all_single(out, inp)
-        return
+    if op == "all_reduce":
+        dist.all_reduce(inp)
+    elif op == "reduce":
+        dist.reduce(inp, 0)
+    elif op == "broadcast":
+        dist.broadcast(inp, 0)
+    elif op == "all_gather":  # the names torch 2.13 keeps (the old ones warn on every call)
+        native.ALL_GATHER_SINGLE(out, inp)
+    elif op == "reduce_scatter":
+        native.REDUCE_SCATTER_SINGLE(out, inp)
+    elif op == "all_to_all":
+        dist.all_to_all_single(out, inp)
+
+
+def mc_call(op: str, algo: str, inp: torch.Tensor, out: torch.Tensor, p: int) -> None:
+    """``op`` through meshtrain.comm with ``algorithm=algo`` (``native``: torch's op behind meshtrain's
+    front end, check and wait)."""
+    import meshtrain.comm as mc
+
     if op == "all_reduce":
         mc.all_reduce(inp, algorithm="shm" if algo == SYMMETRIC else algo)
     elif op == "reduce":
