@@ -69,6 +69,7 @@ def mode() -> str:
 
 
 _MODE = ["learn"]  # read at comm.init (``reset``): the call path must not parse the environment
+_UNTIMED = {LOOK: Call(0, LOOK, False, 0.0), PARK: Call(0, PARK, False, 0.0)}  # a kept or fixed mode's calls
 
 
 def begin(nbytes: int) -> Call:
@@ -76,7 +77,7 @@ def begin(nbytes: int) -> Call:
     exploring schedule's)."""
     fixed = _MODE[0]
     if fixed != "learn":
-        return Call(0, fixed == "look", False, 0.0)
+        return _UNTIMED[fixed == "look"]
     bits = nbytes.bit_length()
     c = _classes.get(bits)
     if c is None:
@@ -84,7 +85,7 @@ def begin(nbytes: int) -> Call:
     c.calls += 1
     if c.look is not None:
         if c.calls - c.kept_at <= RECHECK:
-            return Call(bits, c.look, False, 0.0)
+            return _UNTIMED[c.look]
         c.look, c.times = None, {LOOK: [], PARK: []}  # explore again from this call
         c.calls = 1
     n = c.calls - 1
@@ -93,7 +94,7 @@ def begin(nbytes: int) -> Call:
     looked, parked = (_mean(c.times[m]) for m in (LOOK, PARK))
     c.look = not (parked is not None and looked is not None and parked * (1 + PRIOR) < looked)
     c.kept_at = c.calls
-    return Call(bits, c.look, False, 0.0)
+    return _UNTIMED[c.look]
 
 
 def record(call: Call) -> None:
@@ -121,7 +122,7 @@ def reset(setting: str | None = None) -> None:
     """Forget what was learned (tests, and a process that re-initialises), re-reading the setting
     (or using ``setting``)."""
     _classes.clear()
-    _MODE[0] = setting if setting is not None else mode()
+    set_mode(setting if setting is not None else mode())
 
 
 def _mean(ts: list[float]) -> float | None:
