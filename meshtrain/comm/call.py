@@ -116,7 +116,8 @@ def call_meta(shapes: Sequence[Sequence[int]], dtype: torch.dtype, algorithm: st
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return dict(shapes=[list(s) for s in shapes], dtype=name, algorithm=algorithm, **extra)
+    # tuples, so that the runner's fingerprint memo can key on the items (JSON writes them as lists)
+    return dict(shapes=tuple(tuple(s) for s in shapes), dtype=name, algorithm=algorithm, **extra)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}  # "float32" for torch.float32: str() and replace cost ~1 us a call

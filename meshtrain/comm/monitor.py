@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
 
 class Monitor:
@@ -21,7 +21,7 @@ class Monitor:
         self._counters: dict[tuple[int, str], dict[str, Any]] = {}  # (group, op) -> its entry in _groups
 
     def begin(self, gid: int, ranks: list[int], seq: int, op: str, algorithm: str,
-              shapes: list[list[int]], dtype: str, nbytes: int) -> dict[str, Any]:
+              shapes: Sequence[Sequence[int]], dtype: str, nbytes: int) -> dict[str, Any]:
         """Record the start of a collective; returns the flight-recorder entry."""
         entry = {
             "rank": self.rank, "group": gid, "group_ranks": ranks, "seq": seq, "op": op,
@@ -68,8 +68,8 @@ class Monitor:
 
     def records(self) -> list[dict[str, Any]]:
         """The flight recorder: the last N collectives of this rank, oldest first."""
-        with self._lock:
-            return [dict(e) for e in list(self._recent)]
+        with self._lock:  # shapes as lists, as JSON has them (calls record the tuples they carry)
+            return [dict(e, shapes=[list(s) for s in e["shapes"]]) for e in list(self._recent)]
 
     def dump(self, path: str) -> str:
         """Write the flight recorder as JSON (atomically: temp file, then rename). Returns the path."""

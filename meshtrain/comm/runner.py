@@ -39,6 +39,32 @@ def fingerprint(payload: str) -> int:
     return int.from_bytes(hashlib.blake2b(payload.encode(), digest_size=8).digest(), "little", signed=True)
 
 
+_MEMO: dict[tuple[Any, ...], int] = {}  # a call's metadata (its items, in order) -> its fingerprint
+_MEMO_MOST = 4096  # distinct calls kept; cleared beyond (shapes that vary call to call)
+_SEQ_MIX = 0x9E3779B97F4A7C15  # odd: seq -> seq * _SEQ_MIX mod 2^64 is one-to-one
+
+
+def call_fingerprint(meta: dict[str, Any], seq: int) -> int:
+    """``fingerprint`` of a call's metadata (``call.call_meta`` and the op; not its sequence number),
+    then ``seq`` mixed in by xor: two calls' fingerprints differ where their metadata or their seq
+    does. The JSON and the hash, 15-20 us on a 2-core VM, are paid once per distinct call (a training
+    step repeats the same few), not on every call; the lookup (the items as one tuple) and the mix
+    are a fraction of a microsecond."""
+    try:
+        key: tuple[Any, ...] | None = tuple(meta.items())
+        fp = _MEMO.get(key)  # type: ignore[arg-type]
+    except TypeError:  # a value that cannot key a dict (a list): hashed every call
+        key, fp = None, None
+    if fp is None:
+        fp = fingerprint(json.dumps(meta, sort_keys=True))
+        if key is not None:
+            if len(_MEMO) >= _MEMO_MOST:
+                _MEMO.clear()
+            _MEMO[key] = fp
+    mixed = (fp ^ (seq * _SEQ_MIX)) & 0xFFFFFFFFFFFFFFFF
+    return mixed - (1 << 64) if mixed >> 63 else mixed
+
+
 def collective_tag(gid: int) -> int:
     """The p2p tag of a group's collectives (even); user p2p tags are odd."""
     return gid << 1
@@ -57,6 +83,12 @@ def _describe(meta: dict[str, Any]) -> str:
         if meta.get(key) is not None:
             parts.append(f"{key}={meta[key]}")
     return " ".join(parts)
+
+
+def _payload(meta: dict[str, Any], seq: int, pairwise: Any) -> str:
+    """What the store exchange carries of a call: its metadata with its sequence number, and an
+    all_to_all's pairs, as JSON."""
+    return json.dumps({"meta": dict(meta, seq=seq), "pair": pairwise}, sort_keys=True)
 
 
 def _compare(name: str, seq: int, g: Group, payloads: list[str]) -> None:
@@ -98,7 +130,7 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
             f"rank {comm.rank} called {name} on group {g.gid} (ranks {g.ranks}) but is not a member"
         )
     seq = g.next_seq()
-    meta = dict(meta, op=name, seq=seq)
+    meta = dict(meta, op=name)  # the seq stays apart: call_fingerprint memoizes the rest
     timed = g.tuner.take() if g.tuner else None  # auto is learning: time this call (comm/tune.py)
 
     def execute() -> Any:
@@ -154,14 +186,14 @@ def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Call
     plain_native = not force_exchange and pairwise is None and meta.get("algorithm") == "native"
     beside = not fused and board is None and plain_native
     ahead = board is not None and plain_native
-    payload = json.dumps({"meta": meta, "pair": pairwise}, sort_keys=True)
+    # the JSON payload only where the store carries it (the fingerprints below are of meta alone;
+    # an all_to_all's pairs differ by rank and go through the store)
+    payload = _payload(meta, seq, pairwise) if not fused and board is None else ""
     try:
         if fused:
-            ctx.fingerprint = fingerprint(payload if pairwise is None else json.dumps(
-                {"meta": meta, "pair": None}, sort_keys=True))
-        elif board is not None:  # the pairs differ by rank: they go through the store below
-            fp = fingerprint(payload if pairwise is None else json.dumps({"meta": meta, "pair": None},
-                                                                         sort_keys=True))
+            ctx.fingerprint = call_fingerprint(meta, seq)
+        elif board is not None:
+            fp = call_fingerprint(meta, seq)
             board.post(seq, fp, deadline)
         elif not beside:
             payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
@@ -175,11 +207,13 @@ def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Call
                 if board is not None:  # meshtrain's algorithms over torch p2p: checked first
                     board.settle(seq, fp, deadline, f"{name} #{seq}")
                     if pairwise is not None or force_exchange:
-                        _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload,
+                        _compare(name, seq, g, comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks,
+                                                                       _payload(meta, seq, pairwise),
                                                                        g.timeout))
                 result = _native_checked_beside(g, name, seq, payload, body, ctx) if beside else body(ctx)
         except FingerprintMismatch:  # every member got here: exchange the metadata to name who differs
-            payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload, g.timeout)
+            payloads = comm.transport.exchange(f"c/{g.gid}/{seq}", g.ranks, payload or _payload(meta, seq, pairwise),
+                                               g.timeout)
             _compare(name, seq, g, payloads)
             raise CollectiveMismatch(f"{name} #{seq} on group {g.gid}: the ranks' metadata fingerprints "
                                      f"differ but their metadata does not (a bug; please report it)") from None
@@ -192,7 +226,7 @@ def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Call
         if fused and ctx.fingerprint is not None:  # timed out before everyone had arrived
             raise PeerTimeout(f"ranks {exc.missing} never arrived", exc.missing, never_arrived=True) from None
         if fused and not local:  # across hosts: ask the store who called it at all
-            raise _who_arrived(g, f"c/{g.gid}/{seq}", payload, exc) from None
+            raise _who_arrived(g, f"c/{g.gid}/{seq}", payload or _payload(meta, seq, pairwise), exc) from None
         raise
     return result
 
