@@ -9,7 +9,9 @@ Variants: ``torch`` (torch.distributed's op called directly: the peer), ``mc`` (
 as configured: the wait mode learned, ``comm/algorithms/native_wait.py``), ``mc-look`` / ``mc-park``
 (the wait mode fixed), a ``-nocheck`` suffix (the metadata check off), or an algorithm name
 (``ring``, ``direct``, ...). Ranks are processes on the torch transport (gloo). Prints each
-variant's median over the rounds of the slowest rank's mean time per call, and torch's time over it.
+variant's median over the rounds of the slowest rank's mean time per call, torch's time over it,
+and the CPU time the calling thread spent a call (``time.thread_time``; gloo's own threads not
+counted): with the wait parked, that is the front end and the check alone.
 ``NATIVE_PATHS_PROFILE=VARIANT`` also prints rank 0's profile of that variant's first round (which the
 profiler slows: the median over the rounds leaves it out).
 """
@@ -50,6 +52,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         return lambda: mc_call(op, "native" if name == "mc" else name, inp, out, p)
 
     res: dict[str, list[float]] = {v: [] for v in cfg["variants"]}
+    cpu: dict[str, list[float]] = {v: [] for v in cfg["variants"]}
     profile = None
     for r in range(cfg["rounds"]):
         for v in cfg["variants"]:
@@ -60,9 +63,10 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             prof = cProfile.Profile() if rank == 0 and r == 0 and v == cfg["profile"] else None
             if prof is not None:
                 prof.enable()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(cfg["calls"]):
                 call()
+            cpu[v].append((time.thread_time() - c0) / cfg["calls"] * 1e6)
             res[v].append((time.perf_counter() - t0) / cfg["calls"] * 1e6)
             if prof is not None:
                 prof.disable()
@@ -70,7 +74,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
                 profile = text.getvalue()
     kept = native_wait.kept(cfg["bytes"])
-    return {"times": res, "kept": {None: "exploring", True: "look", False: "park"}[kept], "profile": profile}
+    return {"times": res, "cpu": cpu, "kept": {None: "exploring", True: "look", False: "park"}[kept], "profile": profile}
 
 
 def main(argv: list[str]) -> int:
@@ -91,10 +95,13 @@ def main(argv: list[str]) -> int:
     base = None
     for v in variants:
         per_round = [max(o["times"][v][i] for o in out) for i in range(rounds)]
+        # the CPU the caller's own thread spent a call (front end, check, wait; not gloo's threads):
+        # the median over ranks and rounds, steadier than the time on a shared VM
+        cpu_us = statistics.median(c for o in out for c in o["cpu"][v])
         med = statistics.median(per_round)
         base = base if base is not None else med
         print(f"{op} {nbytes} p={world} {v:18s} median {med:8.0f} us  torch/this {base / med:.2f}  "
-              f"rounds {[round(x) for x in per_round]}")
+              f"rounds {[round(x) for x in per_round]}  calling thread's CPU {cpu_us:.1f} us a call")
     print(f"# the wait mode mc learned, per rank: {[o['kept'] for o in out]}")
     if out[0]["profile"]:
         print(f"# rank 0's first round of {cfg['profile']}, by time inside each function:\n{out[0]['profile']}")
