@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .model import PRESETS, LlamaConfig
 from .dims import check_degrees, degrees_of
 from .parallel import ParallelConfig, check_expert_parallel, check_parallel_values, check_tensor_parallel
-from .schema import BACKENDS, DEVICES, FROM_TRAIN, Config, transports, unknown
+from .schema import BACKENDS, DEVICES, FROM_TRAIN, PLAN_CHECKS, Config, transports, unknown
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -164,6 +164,7 @@ def validate(config: Config) -> None:
           f"must be >= 1 (clean steps before the fp16 loss scale doubles); use e.g. "
           f"train.loss_scale_growth_interval = 2000")
     _one_of("train.device", t.device, DEVICES)
+    _one_of("train.plan_check", t.plan_check, PLAN_CHECKS)
     if c.transport != "auto":  # the registry's names import torch: the default "auto" never asks
         _one_of("comm.transport", c.transport, transports())
     _one_of("comm.backend", c.backend, BACKENDS)

@@ -185,6 +185,15 @@ class TrainSection:
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
     log_every: int = 1
     """Write a metrics line (and refresh the progress bar) every this many steps."""
+    plan_check: str = "auto"
+    """The planner's prediction for the run's own layout, written beside what the run measured
+    (summary.json, the last log line): "cached" prices it from the host's cached calibration,
+    measuring nothing (on a CPU a roofline, often far off for small models); "profiled" has
+    ``meshtrain train`` time the model's blocks at the run's shapes once its ranks have ended, as
+    ``meshtrain bench plan`` does (on a CPU tens of seconds; a GPU preset is priced the same either
+    way; under torchrun there is no such parent, and "cached" is used); "auto": "profiled" for a CPU
+    run whose training took at least 300 s (the timing then adds about a tenth), else "cached";
+    "off": no prediction."""
 
 
 @dataclass
@@ -300,6 +309,8 @@ TOP_LEVEL = ("out",)
 """The keys outside any section."""
 DEVICES = ("auto", "cpu", "cuda")
 """The values of ``train.device``."""
+PLAN_CHECKS = ("auto", "cached", "profiled", "off")
+"""The values of ``train.plan_check``."""
 
 
 def transports() -> tuple[str, ...]:

@@ -120,11 +120,20 @@ def layout_of(config: Any) -> Layout:
                   offload=getattr(p, "offload", "none"), uneven=True)
 
 
-def predict_run(config: Any, model_cfg: Any, device: str) -> tuple[Prediction, Cluster]:
+def predict_run(config: Any, model_cfg: Any, device: str, profiled: bool = False) -> tuple[Prediction, Cluster]:
     """The planner's prediction of a training run's step on its own layout, model (``model_cfg``, a
-    ``LlamaConfig``) and device, and the cluster it priced it on; nothing is measured (a CPU host's
-    cached calibration, ConfigError without one). ConfigError too where the planner cannot price it."""
+    ``LlamaConfig``) and device, and the cluster it priced it on. Nothing is measured (a CPU host's
+    cached calibration, ConfigError without one) unless ``profiled``: then a CPU run's blocks are
+    timed at its shapes, as ``meshtrain bench plan`` times them (seconds; a GPU preset is analytic
+    either way). ConfigError too where the planner cannot price it."""
     t = config.train
+    if profiled and device == "cpu":
+        try:
+            cluster = cluster_for(device)
+            arch = from_llama_config(config.model.preset, model_cfg)
+            return predict(arch, cluster, layout_of(config), t.global_batch, t.seq_len), cluster
+        finally:
+            stop_profiling()  # the profiling copies: not left running beside what follows
     cluster = cluster_for(device, cached=True)
     arch = from_llama_config(config.model.preset, model_cfg)
     return predict(arch, cluster, layout_of(config), t.global_batch, t.seq_len), cluster

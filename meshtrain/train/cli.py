@@ -41,6 +41,7 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     from .config import load_config, to_toml, validate
     from .elastic import EXIT_PREEMPTED, preempted_message
     from .launch import launch
+    from .metrics import plan_check_line, profiled_plan_check, profiles_after
 
     try:
         config = load_config(args.config, overrides + ([f"--out={args.out}"] if args.out else []))
@@ -62,6 +63,11 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     if summary.get("preempted"):  # SIGTERM with elastic.enabled: a clean stop at a step boundary
         print(f"meshtrain train: {preempted_message(summary)}", file=sys.stderr)
         return EXIT_PREEMPTED
+    if profiles_after(config, summary):  # every rank has ended: time the blocks for the run's check
+        print(f"# planner: timing the model's blocks at the run's shapes for its check "
+              f"(train.plan_check = {config.train.plan_check!r})", flush=True)
+        summary = profiled_plan_check(config, summary)
+        print(plan_check_line(summary), flush=True)
     print(f"# trained {summary['steps']} steps of a {summary['params'] / 1e6:.1f}M-parameter model on "
           f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
           f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "

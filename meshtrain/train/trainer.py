@@ -224,7 +224,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     if stopped:  # returned, not raised: a raising rank would abort peers still finishing the save
         return elastic.preempted_summary(stopped, str(ckpt_root / step_dir_name(stopped)), str(run_dir), t.steps)
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "active_params": active_params(cfg),
-               "world_size": mesh.world_size,
+               "world_size": mesh.world_size, "device": device.type, "vocab_size": cfg.vocab_size,
                "layout": degrees_of(p), "seconds": time.perf_counter() - start,
                "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
     if scaler is not None:

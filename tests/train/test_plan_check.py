@@ -1,7 +1,8 @@
 """Every run checks the planner: ``meshtrain train`` writes the planner's predicted step time and peak
 memory for its own layout beside the measured ones in summary.json and its last log line, from the
-host's cached calibration only; without one (or when the planner cannot price the run) the
-prediction is null with a reason, and training is never failed over it."""
+host's cached calibration; without one (or when the planner cannot price the run) the prediction
+is null with a reason, and training is never failed over it. ``train.plan_check`` chooses: a CPU
+run's blocks timed after it ("profiled"; "auto" for long runs), the cached figures only, or none."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_without_a_cached_calibration_the_prediction_is_null_with_the_reason(tmp
 def test_a_prediction_that_fails_is_a_reason_not_a_failed_run(tmp_path, monkeypatch):
     import torch
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise ZeroDivisionError("the planner divided by zero")
 
     monkeypatch.setattr(auto, "predict_run", broken)
@@ -130,3 +131,82 @@ def test_a_gpu_run_is_priced_on_its_preset_and_an_unknown_gpu_is_a_reason(monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-32GB")
     check = plan_check(config, cfg, torch.device("cuda"), RECORDS)
     assert check["predicted_step_s"] is None and "no cluster preset prices a 'Tesla V100" in check["prediction_reason"]
+
+
+def test_profiled_check_times_the_blocks_after_the_run_and_keeps_the_cached_one(tmp_path, monkeypatch, capsys):
+    """``train.plan_check = "profiled"``: once the ranks have ended, ``meshtrain train`` prices the run
+    again with its blocks timed (here a stand-in for the timing, whose figures the planner's own tests
+    check), replaces the prediction in summary.json and the last line, and keeps the cached one."""
+    from types import SimpleNamespace
+
+    _calibrate(tmp_path / "cache", monkeypatch)
+    out = tmp_path / "run"
+    real, calls = auto.predict_run, []
+
+    def spy(config, model_cfg, device, profiled=False):
+        calls.append((profiled, (out / "summary.json").exists()))
+        pred, cluster = real(config, model_cfg, device)
+        if not profiled:
+            return pred, cluster
+        timed = SimpleNamespace(step_time=pred.step_time * 7, memory=SimpleNamespace(total=pred.memory.total + 1),
+                                layout=pred.layout)
+        return timed, SimpleNamespace(name="this-host", profile_compute=True)
+
+    monkeypatch.setattr(auto, "predict_run", spy)
+    assert main(["train", f"--out={out}", "--no-progress", "--train.plan_check=profiled", *ARGS]) == 0
+    # the cached check inside the run, then the timed one after summary.json was written by rank 0
+    assert calls == [(False, False), (True, True)]
+    summary = json.loads((out / "summary.json").read_text())
+    cached = summary["prediction"]["cached"]
+    assert cached["prediction"]["compute"] == "roofline" and summary["prediction"]["compute"] == "profiled"
+    assert summary["predicted_step_s"] == pytest.approx(cached["predicted_step_s"] * 7)
+    assert summary["predicted_peak_mem_bytes"] == cached["predicted_peak_mem_bytes"] + 1
+    assert summary["prediction"]["step_ratio"] == pytest.approx(summary["predicted_step_s"] / summary["measured_step_s"])
+    assert summary["prediction"]["profile_s"] >= 0 and summary["prediction_reason"] is None
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# planner: predicted")]
+    assert [("roofline" in line, "profiled" in line) for line in lines] == [(True, False), (False, True)]
+
+
+def test_which_runs_are_profiled_after_and_off_predicts_nothing():
+    import torch
+
+    from meshtrain.train.metrics import PROFILE_AFTER_S, profiles_after
+
+    config, cfg = _config()
+    done = {"device": "cpu", "measured_step_s": 0.1, "seconds": PROFILE_AFTER_S,
+            "layout": {"dp": 2, "dp_replicate": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}}
+    assert config.train.plan_check == "auto" and profiles_after(config, done)  # a long CPU run
+    assert not profiles_after(config, dict(done, seconds=PROFILE_AFTER_S - 1))  # a short one: cached only
+    assert not profiles_after(config, dict(done, device="cuda"))  # a GPU preset is analytic
+    assert not profiles_after(config, dict(done, layout=dict(done["layout"], dp=1)))  # resized by elastic
+    config.train.plan_check = "profiled"
+    assert profiles_after(config, dict(done, seconds=1.0))
+    config.train.plan_check = "cached"
+    assert not profiles_after(config, done)
+    config.train.plan_check = "off"
+    check = plan_check(config, cfg, torch.device("cpu"), RECORDS)
+    assert check["predicted_step_s"] is None and check["prediction_reason"] == "train.plan_check = 'off'"
+    assert check["measured_step_s"] == pytest.approx(0.3)
+
+
+def test_a_profiled_prediction_asks_for_the_measured_host_and_stops_the_profiling_copies(monkeypatch):
+    asked, stopped = [], []
+
+    def cluster_for(device, cached=False):
+        asked.append(cached)
+        raise host_error
+
+    host_error = RuntimeError("no host here")
+    monkeypatch.setattr(auto, "cluster_for", cluster_for)
+    monkeypatch.setattr(auto, "stop_profiling", lambda: stopped.append(True))
+    with pytest.raises(RuntimeError, match="no host here"):
+        auto.predict_run(*_config(), "cpu", profiled=True)
+    assert asked == [False] and stopped == [True]
+
+
+def test_a_plan_check_that_is_not_a_mode_exits_2_before_any_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", f"--out={out}", "--no-progress", "--train.plan_check=sometimes", *ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "train.plan_check = 'sometimes' is not one of auto, cached, profiled, off" in err
+    assert not out.exists()
