@@ -34,7 +34,10 @@ def collect(dirs: list[str]) -> list[dict[str, Any]]:
             if "measured_step_s" not in s:
                 continue  # a summary from before runs checked the planner
             pred = s.get("prediction") or {}
+            # compute: "profiled" (a CPU run's blocks timed, train.plan_check) or "roofline" (a preset,
+            # or a CPU host's cached peak only: far off for small models)
             rows.append({"run": str(path.parent), "cluster": pred.get("cluster"), "layout": pred.get("layout"),
+                         "compute": pred.get("compute"),
                          "predicted_step_s": s.get("predicted_step_s"), "measured_step_s": s["measured_step_s"],
                          "predicted_mem_bytes": s.get("predicted_peak_mem_bytes"),
                          "measured_mem_bytes": s.get("measured_peak_mem_bytes"),
@@ -61,13 +64,14 @@ def errors(rows: list[dict[str, Any]]) -> dict[str, float | int]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows and the error summary, one line a run."""
-    print(f"{'run':<40} {'cluster':<10} {'layout':<36} {'pred s':>8} {'meas s':>8} {'ratio':>6} "
+    print(f"{'run':<40} {'cluster':<10} {'compute':<8} {'layout':<36} {'pred s':>8} {'meas s':>8} {'ratio':>6} "
           f"{'pred MiB':>9} {'meas MiB':>9}")
     for r in rows:
         if r["predicted_step_s"] is None:
             print(f"{r['run'][-40:]:<40} no prediction ({r['reason']}); measured {r['measured_step_s']:.4f} s")
             continue
-        print(f"{r['run'][-40:]:<40} {r['cluster']:<10} {r['layout']:<36} {r['predicted_step_s']:>8.4f} "
+        print(f"{r['run'][-40:]:<40} {r['cluster']:<10} {r['compute'] or '-':<8} {r['layout']:<36} "
+              f"{r['predicted_step_s']:>8.4f} "
               f"{r['measured_step_s']:>8.4f} {r['predicted_step_s'] / r['measured_step_s']:>6.2f} "
               f"{r['predicted_mem_bytes'] / 2**20:>9.0f} {r['measured_mem_bytes'] / 2**20:>9.0f}")
     e = errors(rows)

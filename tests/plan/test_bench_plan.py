@@ -2,6 +2,7 @@
 test, with generous bounds (the CPU is shared with other work)."""
 
 import json
+import re
 
 import pytest
 
@@ -33,7 +34,8 @@ def _summary(run, predicted, measured, pred_mem, meas_mem, reason=None):
     (run / "summary.json").write_text(json.dumps({
         "steps": 4, "predicted_step_s": predicted, "measured_step_s": measured,
         "predicted_peak_mem_bytes": pred_mem, "measured_peak_mem_bytes": meas_mem, "prediction_reason": reason,
-        "prediction": None if predicted is None else {"cluster": "this-host", "layout": "dp=2,tp=2"}}))
+        "prediction": None if predicted is None else {"cluster": "this-host", "layout": "dp=2,tp=2",
+                                                      "compute": "profiled" if predicted > 0.3 else "roofline"}}))
 
 
 def test_collect_gathers_every_runs_check_with_the_error_over_them(tmp_path, capsys):
@@ -48,6 +50,8 @@ def test_collect_gathers_every_runs_check_with_the_error_over_them(tmp_path, cap
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     rows, summary = lines[:-1], lines[-1]["errors"]
     assert len(rows) == 3 and rows[2]["reason"] == "no host calibration cached"
+    # which check priced each run: a CPU run's blocks timed, or the roofline
+    assert [r["compute"] for r in rows] == ["profiled", "roofline", None]
     step = sorted([abs(0.2 / 0.25 - 1), abs(0.5 / 0.4 - 1)])
     assert summary["n"] == 2
     assert summary["step_median"] == pytest.approx(sum(step) / 2) and summary["step_worst"] == pytest.approx(step[1])
@@ -55,6 +59,7 @@ def test_collect_gathers_every_runs_check_with_the_error_over_them(tmp_path, cap
     assert main(["bench", "plan", "--collect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "no prediction (no host calibration cached)" in out and "2 runs priced" in out
+    assert re.search(r"run2 +this-host +profiled +dp=2,tp=2 +0\.5000", out), out
 
 
 @pytest.mark.parametrize("what", ["missing", "empty"])
