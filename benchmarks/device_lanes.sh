@@ -4,8 +4,8 @@
 #   lane A, cores 0-7, GPU hidden: meshtrain's native path against torch's own (its wait mode
 #           learned, fixed, the check off: benchmarks/native_paths.py), then issue 33's `auto` table
 #           (auto against gloo's own collectives at p=2,4,8, torch transport), one op of one run per step;
-#   lane B, cores 8-15, GPU hidden: DataParallel / ZeRO-3 against DDP / FSDP2 at p=8, then more of
-#           the auto table's runs, so that each op has three;
+#   lane B, cores 8-15, GPU hidden: DataParallel / ZeRO-3 against DDP / FSDP2 at p=8, DataParallel
+#           against DDP at p=8 with 2 sequences a rank, then more of the auto table's runs;
 #   lane G (GPU=1 only; it shares cores 14-15 with lane B): meshtrain train on the GPU (1b compiled,
 #           8b full AC), each run's summary.json holding the planner's prediction beside the
 #           measurement, collected (issue 34); then one cp rank's ring-attention calls at CP 1, 2, 4, 8
@@ -62,6 +62,10 @@ lane_b() {
     export CUDA_VISIBLE_DEVICES=""
     step B train-p8 140 taskset -c "$B_CPUS" "$PY" -m meshtrain.cli bench train --compare \
         --impls meshtrain-dp,meshtrain-zero3 --world 8 --trials 3 --json "$OUT/train-p8.json"
+    # the same at 2 sequences a rank: the 19 MiB all-reduce becomes ~4x the share of a step (4.4 % at
+    # 8 a rank, session 30, which bounds DataParallel over DDP at 1.046x), so overlap can show
+    step B train-p8-b2 120 taskset -c "$B_CPUS" "$PY" -m meshtrain.cli bench train --compare \
+        --impls meshtrain-dp --world 8 --batch 2 --trials 3 --json "$OUT/train-p8-b2.json"
     for run_op in 1:all_gather 2:all_reduce 2:reduce_scatter 3:all_gather 3:reduce_scatter; do
         auto_step B "$B_CPUS" "${run_op%%:*}" "${run_op#*:}"
     done
