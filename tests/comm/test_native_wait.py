@@ -243,3 +243,24 @@ def test_run_parks_once_parking_measured_faster(monkeypatch, clock):
     op = FakeOp(looks=None)
     native._run(op, torch.ones(16))
     assert op.work.seen == 1 and op.work.waited == 1
+
+
+def test_parking_is_kept_only_if_it_wins_every_round(clock):
+    """One round where parking looks faster (a noisy moment) does not make the process park."""
+    half = native_wait.BLOCK * 2  # the calls of one round: a block looking, then a block parking
+
+    def first_round_only(call, i):
+        return 1.0 if call.look or i >= half else 0.5
+
+    _calls(clock, EXPLORING + 1, first_round_only)
+    assert native_wait.kept(4096) is True
+    native_wait.reset("learn")
+    _calls(clock, EXPLORING + 1, lambda call, i: 1.0 if call.look or i < half else 0.5)  # the second only
+    assert native_wait.kept(4096) is True
+    native_wait.reset("learn")
+    # by a mean alone these would park: 0.2 a call in one round outweighs 1.1 in the other
+    _calls(clock, EXPLORING + 1, lambda call, i: 1.0 if call.look else (0.2 if i < half else 1.1))
+    assert native_wait.kept(4096) is True
+    native_wait.reset("learn")
+    _calls(clock, EXPLORING + 1, lambda call, i: 1.0 if call.look else (0.4 if i < half else 0.9))
+    assert native_wait.kept(4096) is False  # faster by more than PRIOR in both rounds
