@@ -13,7 +13,7 @@ class:
   of each block is not counted (it carries the previous mode's skew between the ranks). Every member
   makes the same calls of a size in the same order, so the members switch on the same calls.
 * **keep** looking unless parking is faster by more than ``PRIOR`` in mean time per call (what a
-  loop pays) in *every* round: where parking helps, it wins each round by far (1.3-2.3x on the
+  loop pays) in *every* round: where parking helps, it wins each round by far (1.2-2.1x on the
   16-core host), while on a noisy 2-core VM a round's mean swings 2x and one lucky round must not
   settle it (4 KB all-gathers over 2 ranks: parked 0.72x torch's own op, looked at 1.06x, and a
   process that had learned to park off one comparison of the means; docs/benchmarks.md, session 31);
