@@ -127,16 +127,14 @@ def predict_run(config: Any, model_cfg: Any, device: str, profiled: bool = False
     timed at its shapes, as ``meshtrain bench plan`` times them (seconds; a GPU preset is analytic
     either way). ConfigError too where the planner cannot price it."""
     t = config.train
-    if profiled and device == "cpu":
-        try:
-            cluster = cluster_for(device)
-            arch = from_llama_config(config.model.preset, model_cfg)
-            return predict(arch, cluster, layout_of(config), t.global_batch, t.seq_len), cluster
-        finally:
+    profiling = profiled and device == "cpu"
+    try:
+        cluster = cluster_for(device, cached=not profiling)
+        arch = from_llama_config(config.model.preset, model_cfg)
+        return predict(arch, cluster, layout_of(config), t.global_batch, t.seq_len), cluster
+    finally:
+        if profiling:
             stop_profiling()  # the profiling copies: not left running beside what follows
-    cluster = cluster_for(device, cached=True)
-    arch = from_llama_config(config.model.preset, model_cfg)
-    return predict(arch, cluster, layout_of(config), t.global_batch, t.seq_len), cluster
 
 
 def describe(pred: Prediction) -> str:

@@ -210,3 +210,20 @@ def test_a_plan_check_that_is_not_a_mode_exits_2_before_any_run(tmp_path, capsys
     err = capsys.readouterr().err
     assert "train.plan_check = 'sometimes' is not one of auto, cached, profiled, off" in err
     assert not out.exists()
+
+
+def test_a_profiled_check_that_fails_keeps_the_cached_one_and_says_why(tmp_path, monkeypatch):
+    from meshtrain.train.metrics import profiled_plan_check
+
+    def broken(config, model_cfg, device, profiled=False):
+        raise ZeroDivisionError("no blocks to time")
+
+    monkeypatch.setattr(auto, "predict_run", broken)
+    config, _ = _config()
+    cached = {"cluster": "this-host", "compute": "roofline"}
+    summary = {"run_dir": str(tmp_path), "vocab_size": 512, "measured_step_s": 0.3, "measured_peak_mem_bytes": 300,
+               "predicted_step_s": 0.1, "predicted_peak_mem_bytes": 200, "prediction": cached}
+    got = profiled_plan_check(config, dict(summary))
+    assert got["prediction_profiled_reason"] == "ZeroDivisionError: no blocks to time"
+    assert {k: got[k] for k in summary} == summary  # the cached check, untouched
+    assert json.loads((tmp_path / "summary.json").read_text()) == got
