@@ -2,65 +2,82 @@
 
 Ranks that share a host slow each other down (caches, memory bandwidth, and time slices once there
 are more ranks than cores), so ``this-host``'s profile of one rank's block is taken while as many
-copies run as the layout has ranks. The copies are long-lived child interpreters (one set per count,
-started on first use, stopped at exit); each receives the job, reports ready, and starts only when
-all are ready. Pipes only: nothing is left in /dev/shm or /tmp.
+copies run as the layout has ranks. The copies are long-lived processes (one set per count, started
+on first use, stopped at exit) forked from the server that training ranks are forked from
+(``worker_processes``: torch imported once there, not again in each copy, which took most of a
+profiled check's time on a 2-core host), so a copy runs as a training rank does. Each receives the
+job, reports ready, and starts only when all are ready. Pipes only: nothing is left in /dev/shm or
+/tmp.
 """
 
 from __future__ import annotations
 
 import atexit
-import pickle
-import select
-import subprocess
-import sys
-from typing import IO, Any, Callable
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from .. import worker_processes
 
 TIMEOUT_S = 300.0
 """The longest one job may take in a copy before the measurement is abandoned with an error."""
 
-_pools: dict[int, list[subprocess.Popen]] = {}
+
+class _Copy:
+    """One copy: its process and this end of its pipe."""
+
+    def __init__(self, proc: Any, conn: Connection) -> None:
+        self.proc, self.conn = proc, conn
+
+
+_pools: dict[int, list[_Copy]] = {}
 _serial: dict[int, int] = {}
 _starts = 0
+_at_stop: list[Callable[[], None]] = []  # in a copy: what it runs when told to stop
 
 
-def _send(stream: IO[bytes], obj: Any) -> None:
-    pickle.dump(obj, stream)
-    stream.flush()
+def at_stop(fn: Callable[[], None]) -> None:
+    """In a copy: run ``fn`` when the copy is told to stop (a forked process runs no ``atexit``
+    handler), e.g. to leave a communicator the copies share together."""
+    _at_stop.append(fn)
 
 
-def serve(inp: IO[bytes], out: IO[bytes]) -> None:
-    """A copy's loop: job, "ready", wait for "go", run, result."""
-    while True:
-        try:
-            job = pickle.load(inp)
-        except EOFError:
-            return
-        if job is None:
-            return
-        fn, args = job
-        _send(out, "ready")
-        pickle.load(inp)  # "go": every copy starts together
-        try:
-            _send(out, ("ok", fn(*args)))
-        except Exception as e:  # noqa: BLE001 - reported to the caller, who raises it
-            _send(out, ("error", f"{type(e).__name__}: {e}"))
+def serve(conn: Connection) -> None:
+    """A copy's loop: job, "ready", wait for "go", run, result; at the end, the ``at_stop`` hooks."""
+    try:
+        while True:
+            try:
+                job = conn.recv()
+            except EOFError:
+                return
+            if job is None:
+                return
+            fn, args = job
+            conn.send("ready")
+            conn.recv()  # "go": every copy starts together
+            try:
+                conn.send(("ok", fn(*args)))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, who raises it
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        for fn in reversed(_at_stop):
+            fn()
 
 
-def _start(copies: int) -> list[subprocess.Popen]:
-    # a fresh interpreter per copy (not fork: torch's OpenMP pool does not survive a fork; not
-    # multiprocessing's spawn: it re-imports the caller's __main__)
-    code = "import sys; from meshtrain.plan.corun import serve; serve(sys.stdin.buffer, sys.stdout.buffer)"
-    return [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE) for _ in range(copies)]
+def _start(copies: int) -> list[_Copy]:
+    ctx = worker_processes.context()
+    pool = []
+    for _ in range(copies):
+        mine, theirs = ctx.Pipe()
+        proc = worker_processes.start(serve, (), handles=(theirs,), name="meshtrain-profile")
+        theirs.close()
+        pool.append(_Copy(proc, mine))
+    return pool
 
 
-def _receive(proc: subprocess.Popen, what: str) -> Any:
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
-    if not ready:
+def _receive(copy: _Copy, what: str) -> Any:
+    if not copy.conn.poll(TIMEOUT_S):
         raise RuntimeError(f"a profiling process did not {what} within {TIMEOUT_S:.0f} s")
-    return pickle.load(proc.stdout)
+    return copy.conn.recv()  # EOFError if the copy died
 
 
 def started(copies: int) -> int:
@@ -78,18 +95,18 @@ def together(copies: int, fn: Callable[..., Any], *args: Any, ranked: bool = Fal
     """``fn(*args)`` run in ``copies`` processes at once; their results, one per copy. ``fn`` must be
     a module-level function (it is pickled). ``ranked``: copy i calls ``fn(*args, i)``."""
     started(copies)
-    procs = _pools[copies]
+    pool = _pools[copies]
     try:
-        for i, p in enumerate(procs):
-            _send(p.stdin, (fn, (*args, i) if ranked else args))  # type: ignore[arg-type]
-        for p in procs:
-            _receive(p, "start")
-        for p in procs:
-            _send(p.stdin, "go")  # type: ignore[arg-type]
-        results = [_receive(p, "finish") for p in procs]
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:  # a copy died or hung
+        for i, c in enumerate(pool):
+            c.conn.send((fn, (*args, i) if ranked else args))
+        for c in pool:
+            _receive(c, "start")
+        for c in pool:
+            c.conn.send("go")
+        results = [_receive(c, "finish") for c in pool]
+    except (OSError, EOFError, RuntimeError) as e:  # a copy died or hung
         stop(copies)
-        raise RuntimeError(f"profiling in {copies} processes failed: {e}") from e
+        raise RuntimeError(f"profiling in {copies} processes failed: {e or type(e).__name__}") from e
     errors = [msg for status, msg in results if status == "error"]
     if errors:
         raise RuntimeError(f"profiling failed: {errors[0]}")
@@ -99,21 +116,18 @@ def together(copies: int, fn: Callable[..., Any], *args: Any, ranked: bool = Fal
 def stop(copies: int | None = None) -> None:
     """Stop the copies (every set without ``copies``)."""
     for n in [copies] if copies is not None else list(_pools):
-        procs = _pools.pop(n, [])
-        for p in procs:  # tell every copy first: copies that share a communicator leave together
+        pool = _pools.pop(n, [])
+        for c in pool:  # tell every copy first: copies that share a communicator leave together
             try:
-                _send(p.stdin, None)  # type: ignore[arg-type]
-                p.stdin.close()  # type: ignore[union-attr]
+                c.conn.send(None)
             except OSError:
                 pass
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        for c in pool:
+            c.proc.join(timeout=5)
+            if c.proc.is_alive():
+                c.proc.kill()
+                c.proc.join()
+            c.conn.close()
 
 
 atexit.register(stop)

@@ -17,7 +17,6 @@ fixed number of repetitions, as their collectives must match.
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import socket
@@ -26,7 +25,7 @@ import time
 from functools import lru_cache
 
 from .architectures import Arch
-from .corun import started, together
+from .corun import at_stop, started, together
 from .profile import wall_scaled
 
 REPEATS = 20
@@ -46,11 +45,11 @@ def _join(rank: int, world: int, port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     comm.init(transport="shm", timeout=120.0)
     _joined = (world, port)
-    atexit.register(_leave)
+    at_stop(_leave)
 
 
 def _leave() -> None:
-    """At exit (every copy is told to stop at once): leave together, so that no copy's heartbeat
+    """When the copies stop (every copy is told at once): leave together, so that no copy's heartbeat
     reaches for the store of a copy already gone."""
     import torch.distributed as dist
 
