@@ -192,7 +192,7 @@ class TrainSection:
     ``meshtrain train`` time the model's blocks at the run's shapes once its ranks have ended, as
     ``meshtrain bench plan`` does (on a CPU tens of seconds; a GPU preset is priced the same either
     way; under torchrun there is no such parent, and "cached" is used); "auto": "profiled" for a CPU
-    run whose training took at least 300 s (the timing then adds about a tenth), else "cached";
+    run whose training took at least 100 s (the timing then adds about a tenth), else "cached";
     "off": no prediction."""
 
 

@@ -102,7 +102,7 @@ def step_summary(records: list[dict[str, Any]]) -> dict[str, float]:
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
 
 
-PROFILE_AFTER_S = 300.0
+PROFILE_AFTER_S = 100.0
 """``train.plan_check = "auto"``: a CPU run that trained this long has its blocks timed after it."""
 
 
