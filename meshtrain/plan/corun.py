@@ -7,7 +7,9 @@ on first use, stopped at exit) forked from the server that training ranks are fo
 (``worker_processes``: torch imported once there, not again in each copy, which took most of a
 profiled check's time on a 2-core host), so a copy runs as a training rank does. Each receives the
 job, reports ready, and starts only when all are ready. Pipes only: nothing is left in /dev/shm or
-/tmp.
+/tmp. As for any multiprocessing start other than fork, a script that profiles (``this_host``,
+``--parallel.auto``) keeps its own work under ``if __name__ == "__main__":`` (the copies import the
+caller's main module); meshtrain's commands do.
 """
 
 from __future__ import annotations
