@@ -5,7 +5,13 @@ The static choice (``select.choose``: measured rules and the alpha-beta-gamma mo
 from a ping-pong and a formula; this learns from the program's own calls. Per (group, op, dtype,
 power-of-two size bucket, preferred algorithm) a *slot*:
 
-* **explore**: the slot's first ``ROUNDS`` x k x ``BLOCK`` calls (``ROUNDS_SMALL`` passes below
+* **warm**: where torch's own is a candidate and the calls are below ``WARM_MAX_BYTES``, the slot's
+  first ``WARM`` calls run it untimed, so that it is timed as it runs once kept: with its wait mode
+  for the size learned (``algorithms/native_wait.py`` explores looking and parking on its first 32
+  calls of a size, and a parked small op costs a third more on the 2-core VM) and gloo's first calls
+  of the size behind it. Timed while still learning, torch's own read 2-3x its back-to-back time on
+  64 KB calls and lost to algorithms that then ran at 0.40-0.68 of it (docs/benchmarks.md, session 32).
+* **explore**: the next ``ROUNDS`` x k x ``BLOCK`` calls (``ROUNDS_SMALL`` passes below
   ``SMALL`` bytes) run its k candidates in turn, ``BLOCK`` calls each (the static choice first,
   torch's own collective wherever it is offered, then the model's next best). Every member counts
   the same calls on the group in the same order, so every member runs the same candidate on the
@@ -47,6 +53,7 @@ import threading
 import time
 from typing import Any
 
+from .algorithms import native_wait
 from .transport.base import PeerTimeout, capabilities
 
 ROUNDS = 2  # passes over the candidates while exploring
@@ -64,6 +71,8 @@ CHECK_FIRST = 64  # ... but the first check comes this soon after a measured cho
 RECENT = 16  # calls timed before each drift check
 DRIFT = 1.5  # a recent/agreed time ratio beyond this (or below its inverse) explores again
 MAX_CANDIDATES = 4
+WARM = native_wait.ROUNDS * 2 * native_wait.BLOCK  # torch's own, untimed, before a slot's first exploration
+WARM_MAX_BYTES = 4 << 20  # where its wait mode matters (``native.polled`` looks longest below it)
 TUNED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
@@ -100,10 +109,11 @@ class Slot:
     """One (op, dtype, size bucket)'s state on one member; see the module docstring."""
 
     __slots__ = ("candidates", "calls", "times", "choice", "agreed", "source", "kept_at", "recent", "probes",
-                 "period", "all_candidates")
+                 "period", "all_candidates", "warm")
 
-    def __init__(self, candidates: list[str]) -> None:
+    def __init__(self, candidates: list[str], warm: int = 0) -> None:
         self.candidates = candidates
+        self.warm = warm  # untimed calls of torch's own before the first exploration (module docstring)
         self.calls = 0
         self.times: dict[str, list[float]] = {c: [] for c in candidates}
         self.choice: str | None = candidates[0] if len(candidates) == 1 else None
@@ -162,12 +172,16 @@ class Tuner:
         key = (op, dtype, nbytes.bit_length(), self.group.comm.preferred_algorithm)
         slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[key] = self._new_slot(key, candidates)
+            slot = self.slots[key] = self._new_slot(key, candidates, nbytes)
         slot.calls += 1
         if slot.choice is None:
             k = len(slot.candidates)
             n = slot.calls - 1
             verifying = slot.all_candidates is not None
+            if not verifying and not slot.probes:  # the first exploration: torch's own warms up first
+                if n < slot.warm:
+                    return "native"  # untimed (no pending entry for ``take``)
+                n -= slot.warm
             block, skip = (VERIFY_BLOCK, VERIFY_SKIP) if verifying else (BLOCK, 1)
             rounds = VERIFY_ROUNDS if verifying else ROUNDS_SMALL if nbytes < SMALL else ROUNDS
             if n < rounds * k * block:
@@ -222,8 +236,9 @@ class Tuner:
             raise err from None
         return [json.loads(p) for p in posts]
 
-    def _new_slot(self, key: tuple, candidates: Any) -> Slot:
-        slot = Slot(candidates())
+    def _new_slot(self, key: tuple, candidates: Any, nbytes: int) -> Slot:
+        cands = candidates()
+        slot = Slot(cands, WARM if "native" in cands and len(cands) > 1 and nbytes < WARM_MAX_BYTES else 0)
         if slot.choice is None:
             if self.cached is None:  # first slot of the group: group rank 0's cached table for all
                 mine = _load_table(_table_key(self.group))

@@ -143,28 +143,62 @@ def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
 
 
 def test_the_call_path_verifies_a_win_over_native_then_keeps_it(monkeypatch):
-    """pick(): the candidates' blocks, then blocks of torch's own and the winner only, then the
-    winner alone (one member; times recorded as the runner would)."""
+    """pick(): torch's own untimed first (its wait mode learned before it is timed), the candidates'
+    blocks, then blocks of torch's own and the winner only, then the winner alone (one member; times
+    recorded as the runner would)."""
     monkeypatch.setattr(tune, "_table_key", lambda group: "test")
     monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
     monkeypatch.setattr(tune, "_load_table", lambda key: None)
     t = tune.Tuner(_OneMember())
     seconds = {"tree": 3.0, "native": 2.0, "ring": 1.0}
-    ran = []
-    for _ in range(150):
+    ran, timed = [], []
+    for _ in range(150 + tune.WARM):
         algo = t.pick("all_reduce", 4096, torch.float32, lambda: ["tree", "native", "ring"])
         pending = t.take()
         if pending is not None:
             tune.Tuner.record(pending, algo, seconds[algo])
         ran.append(algo)
+        timed.append(pending is not None)
+    warm = tune.WARM
+    assert warm >= 2 * 2 * 8 and ran[:warm] == ["native"] * warm and not any(timed[:warm])
     explore = tune.ROUNDS_SMALL * 3 * tune.BLOCK
     verify = tune.VERIFY_ROUNDS * 2 * tune.VERIFY_BLOCK
-    assert set(ran[:explore]) == {"tree", "native", "ring"}
-    assert ran[explore:explore + verify] == (["native"] * tune.VERIFY_BLOCK + ["ring"] * tune.VERIFY_BLOCK) * \
-        tune.VERIFY_ROUNDS
-    assert set(ran[explore + verify:]) == {"ring"}
+    assert ran[warm:warm + explore] == (["tree"] * tune.BLOCK + ["native"] * tune.BLOCK + ["ring"] * tune.BLOCK) * \
+        tune.ROUNDS_SMALL and all(timed[warm:warm + explore])
+    assert ran[warm + explore:warm + explore + verify] == \
+        (["native"] * tune.VERIFY_BLOCK + ["ring"] * tune.VERIFY_BLOCK) * tune.VERIFY_ROUNDS  # no warm-up again
+    assert set(ran[warm + explore + verify:]) == {"ring"}
     (slot,) = t.slots.values()
     assert slot.candidates == ["tree", "native", "ring"] and slot.source == "measured" and slot.probes == 1
+
+
+def test_torch_own_warms_up_only_where_its_wait_mode_matters_and_only_once(monkeypatch):
+    """The untimed calls of torch's own come before a slot's first exploration only: not without it
+    among the candidates, not from WARM_MAX_BYTES up, not when a drifted choice is explored again."""
+    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
+    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
+    monkeypatch.setattr(tune, "_load_table", lambda key: None)
+
+    def first(t, nbytes, cands, n):
+        out = []
+        for _ in range(n):
+            algo = t.pick("all_gather", nbytes, torch.float32, lambda: list(cands))
+            pending = t.take()
+            if pending is not None:
+                tune.Tuner.record(pending, algo, 1.0)
+            out.append((algo, pending is not None))
+        return out
+
+    t = tune.Tuner(_OneMember())
+    assert first(t, 4096, ["ring", "direct"], 2) == [("ring", True), ("ring", True)]  # no torch's own
+    assert first(t, tune.WARM_MAX_BYTES, ["native", "ring"], 1) == [("native", True)]  # large: timed at once
+    assert first(t, tune.WARM_MAX_BYTES - 4, ["native", "ring"], tune.WARM + 1)[-2:] == [("native", False),
+                                                                                        ("native", True)]
+    slot = t.slots[("all_gather", torch.float32, (tune.WARM_MAX_BYTES - 4).bit_length(), None)]
+    first(t, tune.WARM_MAX_BYTES - 4, ["native", "ring"], 2 * tune.ROUNDS * tune.BLOCK)
+    assert slot.choice == "native" and slot.probes == 1
+    slot.explore()  # as after a drift: explored again at once, timed
+    assert first(t, tune.WARM_MAX_BYTES - 4, ["native", "ring"], 1) == [("native", True)]
 
 
 def test_a_drifted_choice_is_probed_again(monkeypatch):
