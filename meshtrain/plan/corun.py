@@ -79,7 +79,12 @@ def _start(copies: int) -> list[_Copy]:
 def _receive(copy: _Copy, what: str) -> Any:
     if not copy.conn.poll(TIMEOUT_S):
         raise RuntimeError(f"a profiling process did not {what} within {TIMEOUT_S:.0f} s")
-    return copy.conn.recv()  # EOFError if the copy died
+    try:
+        return copy.conn.recv()
+    except EOFError:  # the copy ended (killed, out of memory, os._exit)
+        copy.proc.join(timeout=5)
+        raise RuntimeError(f"a profiling process ended (exit code {copy.proc.exitcode}) before it could "
+                           f"{what}") from None
 
 
 def started(copies: int) -> int:
@@ -108,7 +113,7 @@ def together(copies: int, fn: Callable[..., Any], *args: Any, ranked: bool = Fal
         results = [_receive(c, "finish") for c in pool]
     except (OSError, EOFError, RuntimeError) as e:  # a copy died or hung
         stop(copies)
-        raise RuntimeError(f"profiling in {copies} processes failed: {e or type(e).__name__}") from e
+        raise RuntimeError(f"profiling in {copies} processes failed: {str(e) or type(e).__name__}") from e
     errors = [msg for status, msg in results if status == "error"]
     if errors:
         raise RuntimeError(f"profiling failed: {errors[0]}")

@@ -22,6 +22,9 @@ def test_copies_run_in_their_own_processes_and_report_errors():
     with pytest.raises(RuntimeError, match="ValueError"):
         corun.together(2, int, "not a number")
     assert corun.together(2, math.sqrt, 16.0) == [4.0, 4.0]  # the set survives an error
+    with pytest.raises(RuntimeError, match=r"a profiling process ended \(exit code 3\) before it could finish"):
+        corun.together(2, os._exit, 3)  # a copy that dies is named, and the set is stopped ...
+    assert corun.together(2, abs, -2) == [2, 2]  # ... and started afresh on the next use
     corun.stop(2)
 
 
