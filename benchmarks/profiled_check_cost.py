@@ -3,8 +3,9 @@
     python benchmarks/profiled_check_cost.py [VOCAB] [ROUNDS]
 
 Prices `make run`'s default layout (``meshtrain train`` on built-in defaults) with its blocks timed,
-as ``meshtrain train`` does after a run, ROUNDS times in fresh processes (nothing cached between them,
-as after a real run; the fork server the copies come from already up, as after a run), and prints the seconds each took and the step time it predicted.
+as ``meshtrain train`` does after a run, ROUNDS times, each in a fresh process whose fork server (the
+copies' parent) is already up, as after a run; prints the seconds each took and the step time it
+predicted.
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ class Tuner:
 
     def _new_slot(self, key: tuple, candidates: Any, nbytes: int) -> Slot:
         cands = candidates()
-        slot = Slot(cands, WARM if "native" in cands and len(cands) > 1 and nbytes < WARM_MAX_BYTES else 0)
+        slot = Slot(cands, WARM if "native" in cands and nbytes < WARM_MAX_BYTES else 0)
         if slot.choice is None:
             if self.cached is None:  # first slot of the group: group rank 0's cached table for all
                 mine = _load_table(_table_key(self.group))

@@ -190,8 +190,8 @@ class TrainSection:
     (summary.json, the last log line): "cached" prices it from the host's cached calibration,
     measuring nothing (on a CPU a roofline, often far off for small models); "profiled" has
     ``meshtrain train`` time the model's blocks at the run's shapes once its ranks have ended, as
-    ``meshtrain bench plan`` does (on a CPU tens of seconds; a GPU preset is priced the same either
-    way; under torchrun there is no such parent, and "cached" is used); "auto": "profiled" for a CPU
+    ``meshtrain bench plan`` does (about 10 s on a 2-core CPU host; a GPU preset is priced the same
+    either way; under torchrun there is no such parent, and "cached" is used); "auto": "profiled" for a CPU
     run whose training took at least 100 s (the timing then adds about a tenth), else "cached";
     "off": no prediction."""
 

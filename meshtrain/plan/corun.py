@@ -111,7 +111,7 @@ def together(copies: int, fn: Callable[..., Any], *args: Any, ranked: bool = Fal
         for c in pool:
             c.conn.send("go")
         results = [_receive(c, "finish") for c in pool]
-    except (OSError, EOFError, RuntimeError) as e:  # a copy died or hung
+    except (OSError, RuntimeError) as e:  # a copy died or hung
         stop(copies)
         raise RuntimeError(f"profiling in {copies} processes failed: {str(e) or type(e).__name__}") from e
     errors = [msg for status, msg in results if status == "error"]
