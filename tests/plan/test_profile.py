@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from meshtrain.comm.transport import shm_memory
 from meshtrain.config.model import PRESETS
 from meshtrain.models.llama import Llama
 from meshtrain.plan import corun
@@ -53,14 +54,14 @@ def test_parallel_block_runs_meshtrains_tp_block_in_the_layouts_ranks_and_leaves
     assert measures_collectives(2, 1, 1, 0) and measures_collectives(1, 2, 2, 0) and measures_collectives(1, 1, 2, 3)
     assert not measures_collectives(1, 1, 2, 1) and not measures_collectives(1, 1, 1, 3)
     arch = from_llama_config("test", replace(PRESETS["test"], vocab_size=512))
-    before = set(os.listdir("/dev/shm"))
     # tp=2 with sequence parallelism; then dp=2 ZeRO-3 on the same two copies (one communicator)
     f, b = parallel_block_seconds(arch, (1, 1, 1, 1, 2), True, False, 2, 32, 1)
     assert 0 < f < 1 and 0 < b < 1
     assert all(0 < t < 1 for t in parallel_block_seconds(arch, (2, 1, 1, 1, 1), False, True, 2, 32, 1))
     assert 0 < collective_latency(2, 1) < 0.1
+    pids = [c.proc.pid for c in corun._pools[2]]  # /dev/shm is shared with other tests: only theirs
     corun.stop(2)
-    assert set(os.listdir("/dev/shm")) <= before  # the copies closed their shared memory on the way out
+    assert shm_memory.segments_of(pids) == []  # the copies closed their shared memory on the way out
 
 
 def test_runtime_memory_falls_back_to_the_import_floor_when_its_run_fails(monkeypatch, tmp_path):

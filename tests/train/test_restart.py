@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli import main
+from meshtrain.comm.transport import shm_memory
 
 # 16 steps: the kill comes after step 4, and the run must still be training when it lands (a kill
 # after the last checkpoint would restart with nothing to replay)
@@ -53,11 +54,12 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
     want = _rows(ref / "metrics.jsonl")
 
     out = tmp_path / "killed"
-    before = set(os.listdir("/dev/shm"))
     cmd = [sys.executable, "-m", "meshtrain.cli", "train", f"--out={out}", "--max-restarts=1", *ARGS]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     victim, first, restarted, deadline = None, set(), False, time.monotonic() + 300
+    ours = {proc.pid}  # every process of this run seen: /dev/shm is shared with other tests' runs
     while proc.poll() is None and time.monotonic() < deadline:
+        ours.update(_workers(proc.pid))
         if victim is None and len(_rows(out / "metrics.jsonl")) >= 5:  # after step 4's checkpoint
             workers = _workers(proc.pid)
             assert len(workers) == 4, f"expected the launcher's 4 workers, found {workers}"
@@ -87,4 +89,4 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
     assert seen == [s for r in want for s in r["samples"]] and len(set(seen)) == len(seen)
     for step, r in last.items():  # processes (shm) vs threads: the same sums in another order
         assert r["loss"] == pytest.approx(want[step - 1]["loss"], rel=1e-5)
-    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("meshtrain.")]
+    assert shm_memory.segments_of(ours) == []  # the victim's too: someone unlinked them
