@@ -59,14 +59,15 @@ def test_kill_9_of_a_worker_restarts_and_loses_nothing(tmp_path):
     victim, first, restarted, deadline = None, set(), False, time.monotonic() + 300
     ours = {proc.pid}  # every process of this run seen: /dev/shm is shared with other tests' runs
     while proc.poll() is None and time.monotonic() < deadline:
-        ours.update(_workers(proc.pid))
         if victim is None and len(_rows(out / "metrics.jsonl")) >= 5:  # after step 4's checkpoint
             workers = _workers(proc.pid)
             assert len(workers) == 4, f"expected the launcher's 4 workers, found {workers}"
             first, victim = set(workers), workers[-1]
+            ours |= first
             os.kill(victim, signal.SIGKILL)
         elif victim is not None and not restarted:  # the agent starts a new group of 4
             now = set(_workers(proc.pid))
+            ours |= now
             restarted = len(now) == 4 and not now & first
         time.sleep(0.05)
     log = proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
