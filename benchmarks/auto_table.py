@@ -40,8 +40,13 @@ def _bench(transport: str, worlds: str, op: str, algos: list[str], sizes: str, o
             raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         # what auto kept and why, and each size's ratio line, as each bench ends: a table cut short
         # by a time limit still leaves its finished runs' figures
-        sys.stdout.write("".join(line + "\n" for line in r.stdout.splitlines()
-                                 if line.startswith(("  all_", "  reduce_", "# auto")) or ":auto" in line))
+        # (and each rank's wait for torch's own op, per size: the lines under "# torch's own op")
+        keep, waits = [], False
+        for line in r.stdout.splitlines():
+            waits = line.startswith("# torch's own op") or (waits and line.startswith("  "))
+            if waits or line.startswith(("  all_", "  reduce_", "# auto")) or ":auto" in line:
+                keep.append(line + "\n")
+        sys.stdout.write("".join(keep))
         sys.stdout.flush()
     return json.loads(out.read_text())["records"]
 

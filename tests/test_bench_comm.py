@@ -53,3 +53,35 @@ def test_each_trial_starts_one_algorithm_later():
                       ["auto", "shm", "ring"]]
     assert [o[0] for o in orders[:3]] == algos  # every algorithm leads a trial
     assert trial_order([], 2) == []
+
+
+def test_explain_shows_how_each_rank_waits_for_torchs_own_op(monkeypatch, capsys):
+    """``--explain`` names, per size, the wait mode each rank learned for torch's own op (look or
+    park, ``native_wait``), gathered from every rank; sizes with none learned are left out."""
+    from meshtrain.bench import comm as bench
+    from meshtrain.bench.comm_cli import print_waits
+    from meshtrain.comm.algorithms import native_wait
+    from meshtrain.comm.local_run import run_local
+
+    small, large = bench.count_bytes("all_gather", 4096, 4, 2), bench.count_bytes("all_gather", 1 << 20, 4, 2)
+    assert (small, large) == (4096, 1 << 20)
+    assert bench.count_bytes("all_gather", 4100, 4, 2) == 4096  # a whole element per rank, as the bench's inputs
+    now = [0.0]
+    monkeypatch.setattr(native_wait, "clock", lambda: now[0])
+    native_wait.reset("learn")
+    try:
+        for _ in range(native_wait.ROUNDS * 2 * native_wait.BLOCK + 1):  # parking is the faster here
+            call = native_wait.begin(small)
+            now[0] += 1.0 if call.look else 0.5
+            native_wait.record(call)
+        assert native_wait.kept(small) is False and native_wait.kept(large) is None
+        # ranks as threads share the process's modes: each reports its own through the gather
+        got = run_local(2, lambda rank: bench._wait_modes([small, large], 2))
+    finally:
+        native_wait.reset("learn")
+    assert got == [[["park", "park"], ["-", "-"]]] * 2
+    print_waits("transport=torch world=2", {4096: got[0][0], 1 << 20: got[0][1]})
+    out = capsys.readouterr().out
+    assert "4K -> park park" in out and "1M" not in out
+    print_waits("transport=torch world=2", {4096: ["-", "-"]})
+    assert capsys.readouterr().out == ""  # nothing learned: no section

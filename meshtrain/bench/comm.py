@@ -203,10 +203,35 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                 "trials_us": [t * 1e6 for t in c["times"]],
             })
     records.sort(key=lambda r: (cfg["algorithms"].index(r["algorithm"]), r["size"]))
+    waits = _wait_modes([count_bytes(op, size, elem, p) for size in cfg["sizes"]], p)
     if rank != 0:
         return None
     tuner = mc.current().world.tuner
-    return {"records": records, "calibration": calibration, "explain": tuner.explain() if tuner else []}
+    return {"records": records, "calibration": calibration, "explain": tuner.explain() if tuner else [],
+            "native_wait": {size: waits[i] for i, size in enumerate(cfg["sizes"])}}
+
+
+def count_bytes(op: str, size: int, elem: int, p: int) -> int:
+    """The bytes a call of ``op`` moves in the bench's case of ``size`` (what ``native_wait`` keys on)."""
+    count = max(size // elem, 0)
+    return (count - count % p if op in ("all_gather", "reduce_scatter", "all_to_all") else count) * elem
+
+
+def _wait_modes(nbytes: list[int], p: int) -> list[list[str]]:
+    """Per size, every rank's wait mode for torch's own op (``native_wait``: look, park, or ``-``
+    where none was learned), as rank 0 sees them: the processes learn theirs apart."""
+    import meshtrain.comm as mc
+    from ..comm.algorithms import native_wait
+
+    code = {None: 0, True: 1, False: 2}
+    mine = torch.tensor([code[native_wait.kept(n)] for n in nbytes], dtype=torch.float64)
+    every = torch.empty(p * len(nbytes), dtype=torch.float64)
+    if p > 1:
+        mc.all_gather_into_tensor(every, mine, algorithm="direct")
+    else:
+        every.copy_(mine)
+    names = {0: "-", 1: "look", 2: "park"}
+    return [[names[int(every[r * len(nbytes) + i])] for r in range(p)] for i in range(len(nbytes))]
 
 
 def _settle(op: str, inp: torch.Tensor, out: torch.Tensor, p: int, limit: int = 200) -> None:

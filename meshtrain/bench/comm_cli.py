@@ -140,6 +140,7 @@ def main(args: argparse.Namespace) -> int:
             records += out["records"]
             if args.explain:
                 print_explain(f"transport={tr} world={world}", out.get("explain", []))
+                print_waits(f"transport={tr} world={world}", out.get("native_wait", {}))
     _print_ratios(records)
     if args.floor:
         _print_floor(records, worlds, sizes)
@@ -236,6 +237,17 @@ def print_explain(where: str, rows: list[dict[str, Any]]) -> None:
         print(f"  {r['op']:15s} {r['dtype']:9s} {report_size(r['bytes_from']):>6}-{report_size(r['bytes_below']):<6} "
               f"-> {str(r['choice']):19s} ({r['source']})  {times}")
     print()
+
+
+def print_waits(where: str, waits: dict[int, list[str]]) -> None:
+    """``--explain``: per size, how each rank waits for torch's own op (``native_wait``'s learned
+    mode: look, park, ``-`` where it learned none)."""
+    learned = {size: modes for size, modes in waits.items() if any(m != "-" for m in modes)}
+    if learned:
+        print(f"# torch's own op, {where}: size -> each rank's wait (look or park, learned per process)")
+        for size, modes in learned.items():
+            print(f"  {report_size(size):>6} -> {' '.join(modes)}")
+        print()
 
 
 def _print_floor(records: list[dict[str, Any]], worlds: list[int], sizes: list[int]) -> None:
