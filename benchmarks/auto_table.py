@@ -4,12 +4,12 @@
 * shm transport: auto's time against the best fixed algorithm (least median over the runs), each run
   against the same run's time of that algorithm.
 
-    python benchmarks/auto_table.py RUNS WORLDS OPS SIZES [OUT.json] [--transports=torch,shm]
+    python benchmarks/auto_table.py RUNS WORLDS OPS SIZES [OUT.json] [--transports=torch,shm] [--trials=3]
     python benchmarks/auto_table.py 3 2,4 all_reduce,all_gather,reduce_scatter 4K:64M
 
 Each run is one ``meshtrain bench comm`` per transport and op (fresh processes, an empty calibration
 cache, so auto explores and then keeps a choice; the bench times only what it keeps), trials
-interleaved inside it; the table gives each cell's median ratio over the runs and its spread (min-max).
+(``--trials``, 3 by default) interleaved inside it; the table gives each cell's median ratio over the runs and its spread (min-max).
 A ratio >= 1 means auto was as fast or faster.
 """
 
@@ -29,11 +29,11 @@ OPS_FIXED = {"all_reduce": SHM_FIXED, "all_gather": ("shm", "ring", "recursive_d
              "reduce_scatter": ("shm", "ring", "direct")}
 
 
-def _bench(transport: str, worlds: str, op: str, algos: list[str], sizes: str, out: Path) -> list[dict]:
+def _bench(transport: str, worlds: str, op: str, algos: list[str], sizes: str, out: Path, trials: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, MESHTRAIN_CACHE_DIR=cache)
         cmd = ["meshtrain", "bench", "comm", "--transport", transport, "--world", worlds, "--op", op,
-               "--algorithms", ",".join(algos), "--sizes", sizes, "--factor", "4", "--trials", "3",
+               "--algorithms", ",".join(algos), "--sizes", sizes, "--factor", "4", "--trials", str(trials),
                "--explain", "--json", str(out)]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
@@ -54,6 +54,10 @@ def _bench(transport: str, worlds: str, op: str, algos: list[str], sizes: str, o
 def main(argv: list[str]) -> int:
     """Run the table; returns the exit code."""
     transports = ("torch", "shm")
+    trials = 3
+    for a in [a for a in argv if a.startswith("--trials=")]:
+        argv.remove(a)
+        trials = int(a.split("=", 1)[1])
     for a in [a for a in argv if a.startswith("--transports=")]:
         argv.remove(a)
         transports = tuple(a.split("=", 1)[1].split(","))
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> int:
                 for tr, algos in (("torch", ["auto", "native"]), ("shm", ["auto", *OPS_FIXED[op]])):
                     if tr not in transports:
                         continue
-                    for r in _bench(tr, worlds, op, algos, sizes, Path(tmp) / "b.json"):
+                    for r in _bench(tr, worlds, op, algos, sizes, Path(tmp) / "b.json", trials):
                         times[tr, op, r["world_size"], r["size"], r["algorithm"]].append(r["time_us"])
             print(f"# run {run + 1} of {runs} done", flush=True)
     # The peer on shm is the fixed algorithm with the least median over the runs: taking each run's
