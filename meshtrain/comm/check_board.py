@@ -83,6 +83,7 @@ class CheckBoard:
         self.others = [k for k in range(len(ranks)) if k != me]
         self._segs = segs
         self.words = [s.i64(0, WORDS) for s in segs]
+        self._peers = [self.words[k] for k in self.others]  # the others' words: every call reads them
         self._slot_seq = [0] * SLOTS  # the call that last used each of my slots
         self._addr = [w.ctypes.data for w in self.words]
 
@@ -91,7 +92,7 @@ class CheckBoard:
         """Post call ``seq``'s fingerprint, once every peer has compared the call that used its
         slot before (``SLOTS`` or more calls ago: calls with the check off post nothing)."""
         before = self._slot_seq[seq % SLOTS]
-        if before:
+        if before and not all(w[VERIFIED] >= before for w in self._peers):
             self._wait(lambda k: self.words[k][VERIFIED] >= before, deadline, f"call {before} compared",
                        VERIFIED, before)
         self._slot_seq[seq % SLOTS] = seq
@@ -110,19 +111,22 @@ class CheckBoard:
         mine = self.words[self.me]
         mine[index] = value
         mem.fence()  # the store before the look at the sleepers' flags (see ShmArea.publish)
-        if any(self.words[k][WAITING] for k in self.others):
-            mem.futex_wake(self._addr[self.me] + 8 * index)
+        for w in self._peers:
+            if w[WAITING]:
+                mem.futex_wake(self._addr[self.me] + 8 * index)
+                return
 
     # -- reading -----------------------------------------------------------------------------------
     def differs(self, seq: int, fp: int) -> bool:
         """After ``wait_posted(seq)``: True if a peer's slot holds another call or fingerprint."""
         at = SLOT_AT + 2 * (seq % SLOTS)
         mem.fence()
-        return any(self.words[k][at] != seq or self.words[k][at + 1] != fp for k in self.others)
+        return any(w[at] != seq or w[at + 1] != fp for w in self._peers)
 
     def settle(self, seq: int, fp: int, deadline: float, what: str) -> None:
         """Wait until every peer posted ``seq``; FingerprintMismatch if one posted another call."""
-        self.wait_posted(seq, deadline, what)
+        if not all(w[LATEST] >= seq for w in self._peers):
+            self.wait_posted(seq, deadline, what)
         if self.differs(seq, fp):
             raise FingerprintMismatch()
 
@@ -131,8 +135,7 @@ class CheckBoard:
         at = SLOT_AT + 2 * (seq % SLOTS)
         mem.fence()  # after my post (Dekker): of two ranks posting at once, one sees the other's
         everyone = True
-        for k in self.others:
-            w = self.words[k]
+        for w in self._peers:
             if w[LATEST] < seq:
                 everyone = False
             elif w[at] != seq or w[at + 1] != fp:
@@ -168,7 +171,7 @@ class CheckBoard:
 
     def close(self) -> None:
         """Drop the mappings."""
-        self.words, self._segs = [], []
+        self.words, self._segs, self._peers = [], [], []
 
 
 class Ahead:
@@ -190,12 +193,10 @@ class Ahead:
     def __init__(self, board: CheckBoard, seq: int, fp: int, deadline: float, what: str) -> None:
         self.board, self.seq, self.fp, self.deadline, self.what = board, seq, fp, deadline, what
 
-    def wait(self, work: Any, nbytes: int = 0) -> None:
+    def wait(self, work: Any, nbytes: int = 0, future: bool | None = None) -> None:
         """Wait for ``work`` (of ``nbytes``: see ``native.polled``): raise FingerprintMismatch if a
-        peer posts another call first."""
-        try:
-            work.get_future()
-        except RuntimeError:  # gloo works without a future complete only inside wait(): check first
+        peer posts another call first. ``future``: whether the work has a future (None: ask it)."""
+        if not native.has_future(work, future):  # such gloo works complete only inside wait(): check first
             self.board.settle(self.seq, self.fp, self.deadline, self.what)
             work.wait()
             return

@@ -257,11 +257,10 @@ def _native_ahead(board: check_board.CheckBoard, seq: int, fp: int, what: str, d
     bad, everyone = board.verdict(seq, fp)
     if bad:
         raise FingerprintMismatch()
-    if everyone:
+    if everyone:  # every peer posted this call, and it matches: checked before the op
+        return body(ctx)
+    with native.guarded(check_board.Ahead(board, seq, fp, deadline, what)):
         result = body(ctx)
-    else:
-        with native.guarded(check_board.Ahead(board, seq, fp, deadline, what)):
-            result = body(ctx)
     board.settle(seq, fp, deadline, what)  # a root whose op completed on its own sends alone
     return result
 

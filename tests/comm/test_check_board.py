@@ -112,7 +112,7 @@ def _mismatch_apart(rank: int, odd: int, late: str, op: str) -> tuple[str, int]:
 
     entered = []  # torch ops this rank waited for ahead of a peer's post
     real = check_board.Ahead.wait
-    check_board.Ahead.wait = lambda self, work, nbytes=0: (entered.append(1), real(self, work, nbytes))[1]
+    check_board.Ahead.wait = lambda self, work, nbytes=0, future=None: (entered.append(1), real(self, work, nbytes, future))[1]
     p = mc.get_world_size()
     mc.all_reduce(torch.ones(2))  # the board is built
     entered.clear()

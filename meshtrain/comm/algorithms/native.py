@@ -6,11 +6,10 @@ so list-valued results are permuted between the two orders here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -61,9 +60,10 @@ class Guard:
         """The check failed (or timed out): the wait stops at its next look."""
         self.failed = True
 
-    def wait(self, work: dist.Work, nbytes: int = 0) -> None:
+    def wait(self, work: dist.Work, nbytes: int = 0, future: bool | None = None) -> None:
         """Wait for ``work``; raise ``Aborted`` if the check fails first. (``nbytes``: the op's
-        size, unused: this wait looks at the check's verdict between its looks anyway.)
+        size, unused: this wait looks at the check's verdict between its looks anyway; ``future``:
+        whether the work has a future, None to ask it.)
 
         The wait polls ``is_completed``: it yields the core for the first YIELD_S (gloo's threads
         finish a small op in that time), then sleeps in short steps, looking at the check's verdict
@@ -71,9 +71,7 @@ class Guard:
         callback costs two more thread hand-offs: 100-250 us a call; docs/benchmarks.md)."""
         if self.failed:
             raise Aborted()
-        try:
-            work.get_future()
-        except RuntimeError:  # some gloo works (reduce_scatter) have no future and complete only
+        if not has_future(work, future):  # some gloo works (reduce_scatter) complete only
             self.checked.wait()  # inside wait(): let the check finish first, as if run before
             if self.failed:
                 raise Aborted() from None
@@ -101,14 +99,32 @@ class _Local(threading.local):
 _local = _Local()
 
 
-@contextlib.contextmanager
-def guarded(guard: Guard) -> Iterator[None]:
-    """Native ops called in this block on this thread wait through ``guard``."""
-    _local.guard = guard
-    try:
-        yield
-    finally:
+class guarded:  # noqa: N801 - used as a function: ``with guarded(guard):``
+    """Native ops called in this block on this thread wait through ``guard``. (A class, not a
+    generator-based context manager: it is entered on every checked call whose peers are late.)"""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def __enter__(self) -> None:
+        _local.guard = self.guard
+
+    def __exit__(self, *exc: Any) -> None:
         _local.guard = None
+
+
+def has_future(work: dist.Work, known: bool | None = None) -> bool:
+    """Whether ``work`` has a future, complete outside ``wait`` (gloo's reduce-scatter works have
+    none); ``known``, where the caller knows from the op (``NO_FUTURE``), spares asking."""
+    if known is not None:
+        return known
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = None, **kw: Any) -> None:
@@ -131,7 +147,7 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
     _local.look = call.look if call is not None else True  # look at the op, or park (native_wait.py)
     work = direct() if direct is not None and cpu else fn(*args, async_op=True, **kw)
     if guard is not None:
-        guard.wait(work, size)
+        guard.wait(work, size, fn not in NO_FUTURE if cpu else None)
     else:
         finish(work, size)
     if call is not None:
