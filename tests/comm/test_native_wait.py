@@ -264,3 +264,29 @@ def test_parking_is_kept_only_if_it_wins_every_round(clock):
     native_wait.reset("learn")
     _calls(clock, EXPLORING + 1, lambda call, i: 1.0 if call.look else (0.4 if i < half else 0.9))
     assert native_wait.kept(4096) is False  # faster by more than PRIOR in both rounds
+
+
+def test_an_ops_future_is_asked_of_its_first_work_only():
+    """A guarded wait is told whether the op's works have a future (gloo's reduce-scatter's have
+    none and complete only inside ``wait``): asked of each op's first work, then remembered."""
+    asked = []
+
+    class Work:
+        def __init__(self, has: bool) -> None:
+            self.has = has
+
+        def get_future(self) -> None:
+            asked.append(self.has)
+            if not self.has:
+                raise RuntimeError("this work has no future")
+
+    with_future, without = object(), object()  # two torch ops, as _run keys them
+    try:
+        assert native._future_of(with_future, Work(True)) is True
+        assert native._future_of(with_future, Work(False)) is True  # remembered, not asked again
+        assert native._future_of(without, Work(False)) is False
+        assert asked == [True, False]
+        assert native.has_future(Work(False)) is False and native.has_future(Work(False), True) is True
+    finally:
+        native._FUTURES.pop(with_future, None)
+        native._FUTURES.pop(without, None)

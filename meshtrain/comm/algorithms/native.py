@@ -117,7 +117,7 @@ class guarded:  # noqa: N801 - used as a function: ``with guarded(guard):``
 
 def has_future(work: dist.Work, known: bool | None = None) -> bool:
     """Whether ``work`` has a future, complete outside ``wait`` (gloo's reduce-scatter works have
-    none); ``known``, where the caller knows from the op (``NO_FUTURE``), spares asking."""
+    none); ``known``, where the caller knows it for the op (``_future_of``), spares asking."""
     if known is not None:
         return known
     try:
@@ -125,6 +125,18 @@ def has_future(work: dist.Work, known: bool | None = None) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+_FUTURES: dict[Any, bool] = {}  # torch op -> whether its CPU works have a future: asked once per op
+
+
+def _future_of(fn: Callable[..., Any], work: dist.Work) -> bool:
+    """``has_future`` for a CPU work of torch's ``fn``, asked of its first work only (every work of
+    one op is of one kind; ``get_future`` builds a Python object on each call)."""
+    known = _FUTURES.get(fn)
+    if known is None:
+        known = _FUTURES[fn] = has_future(work)
+    return known
 
 
 def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = None, **kw: Any) -> None:
@@ -147,7 +159,7 @@ def _run(fn: Callable[..., Any], *args: Any, direct: Callable[[], Any] | None = 
     _local.look = call.look if call is not None else True  # look at the op, or park (native_wait.py)
     work = direct() if direct is not None and cpu else fn(*args, async_op=True, **kw)
     if guard is not None:
-        guard.wait(work, size, fn not in NO_FUTURE if cpu else None)
+        guard.wait(work, size, _future_of(fn, work) if cpu else None)
     else:
         finish(work, size)
     if call is not None:
