@@ -39,6 +39,14 @@ EXIT_CODE = 75  # EX_TEMPFAIL: this rank is healthy, another is gone; the agent 
 _DONE, _FAILED = b"done", b"failed:"
 
 
+def naming_bound() -> float:
+    """Seconds within which the heartbeats name a lost rank: its beat goes stale (``STALE_S``), and
+    two periods for a monitor to see it (its last beat seen up to a period before it stopped, the
+    round that finds it stale up to a period after). How long a wait for the reason of a closed
+    connection may take."""
+    return STALE_S + 2 * PERIOD_S
+
+
 class PeerLost(CollectiveError):
     """Ranks of the world were lost (killed, crashed, or their host died); ``missing`` names them."""
 

@@ -237,14 +237,14 @@ PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Connection
 
 def named_peer_loss(g: Group, name: str, seq: int, exc: BaseException) -> CollectiveError | None:
     """A torch op that failed on a closed connection does not say whose: ask the heartbeats, up to
-    their loss bound (``liveness.STALE_S``), and name the lost rank in a ``CollectiveError``; None for
+    their naming bound (``liveness.naming_bound``), and name the lost rank in a ``CollectiveError``; None for
     any other error, or without heartbeats (ranks as threads). Without it such a rank's log could end
     (its exit follows its error within 3 s, ``launch.exit_within``) before the heartbeats named anyone."""
     live = g.comm.liveness
     text = str(exc)
     if live is None or isinstance(exc, MeshtrainError) or not any(s in text for s in PEER_GONE):
         return None
-    why = live.why(None, wait=liveness.STALE_S + liveness.PERIOD_S)
+    why = live.why(None, wait=liveness.naming_bound())
     first = text.splitlines()[0] if text else type(exc).__name__
     return CollectiveError(f"{name} #{seq} on group {g.gid} (ranks {g.ranks}) failed: {first} -- "
                            + (why or "no heartbeat said which peer ended it"))

@@ -24,12 +24,12 @@ def store():
     del s
 
 
-def _monitors(store, n: int, prefix: str) -> list[LivenessMonitor]:
+def _monitors(store, n: int, prefix: str, stale: float = STALE) -> list[LivenessMonitor]:
     def connect():
         return dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=3))
 
-    ms = [LivenessMonitor(connect, r, n, prefix, period=PERIOD, stale=STALE, exit_process=False) for r in range(n)]
+    ms = [LivenessMonitor(connect, r, n, prefix, period=PERIOD, stale=stale, exit_process=False) for r in range(n)]
     for m in ms:
         m.announce()
     for m in ms:
@@ -115,3 +115,28 @@ def test_a_torch_op_on_a_closed_connection_names_the_rank_the_heartbeats_lost():
     assert named_peer_loss(g, "all_reduce", 7, ConfigError("Connection closed")) is None
     g.comm.liveness = None
     assert named_peer_loss(g, "all_reduce", 7, RuntimeError("Connection closed by peer")) is None
+
+
+def test_a_siblings_closed_connection_names_the_rank_killed_before_it(store, monkeypatch):
+    """Rank 3 is killed; its agent stops its sibling, rank 2, whose connections close first. A recv
+    from rank 2 that fails on the closed connection waits for the heartbeats up to their naming
+    bound, and names rank 3 (whose beat went stale), not only "rank 2 has probably exited"."""
+    from meshtrain.comm import liveness
+    from meshtrain.comm.transport.torchdist import _peer_failure
+
+    # a loss bound longer than what a closed connection waited for before (1.5 s): the heartbeats
+    # name rank 3 about 2 s after it stopped; the bound (2.5 s here) leaves them room on a busy host
+    stale = 2.0
+    monkeypatch.setattr(liveness, "STALE_S", stale)
+    monkeypatch.setattr(liveness, "PERIOD_S", 0.25)
+    ms = _monitors(store, 4, "sibling", stale=stale)
+    time.sleep(3 * PERIOD)
+    _freeze(ms[3])  # killed: beats no more, posts nothing
+    t0 = time.monotonic()  # at once, its sibling's connection closes (rank 2 still beats)
+    err = _peer_failure(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"), 2, "recv from", ms[0])
+    took = time.monotonic() - t0
+    assert "recv from rank 2 failed: [gloo] Connection closed by peer" in str(err), err
+    assert "rank(s) [3] (host host1) lost" in str(err), err
+    assert stale <= took < liveness.naming_bound(), took  # it waited for them, and no longer
+    for m in ms[:3]:
+        m.stop()

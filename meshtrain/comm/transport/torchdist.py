@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveError, LaunchError
+from ..liveness import naming_bound
 from ..work import Work
 from .base import PeerTimeout, Transport, p2p_timeout
 from .registry import Capabilities, Setup, TransportSpec, register
@@ -32,9 +33,12 @@ def _peer_failure(exc: BaseException, peer: int, what: str, liveness: Any = None
     text = str(exc)
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
         return PeerTimeout(f"{what} rank {peer} timed out", [peer])
-    # A closed connection says only that the peer is gone; the heartbeats say why (its error, or
-    # which rank behind it was lost), usually within a second.
-    why = liveness.why(peer) if liveness is not None else None
+    # A closed connection says only that the peer is gone; the heartbeats say why: its error, or
+    # which rank behind it was lost. Wait for them up to their loss bound, as a native collective's
+    # closed connection does (runner.named_peer_loss): the peer may be a sibling that its agent
+    # stopped because another rank of its host was killed, and only the heartbeats, once the killed
+    # rank's beat is stale, name the one that was lost first.
+    why = liveness.why(peer, wait=naming_bound()) if liveness is not None else None
     return CollectiveError(
         f"{what} rank {peer} failed: {text.splitlines()[0] if text else type(exc).__name__} "
         + (f"-- {why}" if why else f"(rank {peer} has probably exited or crashed; see its log)")
