@@ -63,9 +63,9 @@ def test_explain_shows_how_each_rank_waits_for_torchs_own_op(monkeypatch, capsys
     from meshtrain.comm.algorithms import native_wait
     from meshtrain.comm.local_run import run_local
 
-    small, large = bench.count_bytes("all_gather", 4096, 4, 2), bench.count_bytes("all_gather", 1 << 20, 4, 2)
+    small, large = bench.case_count("all_gather", 4096, 4, 2) * 4, bench.case_count("all_gather", 1 << 20, 4, 2) * 4
     assert (small, large) == (4096, 1 << 20)
-    assert bench.count_bytes("all_gather", 4100, 4, 2) == 4096  # a whole element per rank, as the bench's inputs
+    assert bench.case_count("all_gather", 4100, 4, 2) * 4 == 4096  # a whole element per rank, as the bench's inputs
     now = [0.0]
     monkeypatch.setattr(native_wait, "clock", lambda: now[0])
     native_wait.reset("learn")

@@ -157,9 +157,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                                       for o in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")}}
     trials = max(int(cfg.get("trials", 3)), 1)
     for size in cfg["sizes"]:
-        count = max(size // elem, 0)
-        if op in ("all_gather", "reduce_scatter", "all_to_all"):
-            count -= count % p
+        count = case_count(op, size, elem, p)
         cases = {}
         for algo in cfg["algorithms"]:  # one checked call each, and the iteration count
             inp, out, expected = _inputs(op, count, p, rank, dtype)
@@ -203,7 +201,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
                 "trials_us": [t * 1e6 for t in c["times"]],
             })
     records.sort(key=lambda r: (cfg["algorithms"].index(r["algorithm"]), r["size"]))
-    waits = _wait_modes([count_bytes(op, size, elem, p) for size in cfg["sizes"]], p)
+    waits = _wait_modes([case_count(op, size, elem, p) * elem for size in cfg["sizes"]], p)
     if rank != 0:
         return None
     tuner = mc.current().world.tuner
@@ -211,10 +209,11 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
             "native_wait": {size: waits[i] for i, size in enumerate(cfg["sizes"])}}
 
 
-def count_bytes(op: str, size: int, elem: int, p: int) -> int:
-    """The bytes a call of ``op`` moves in the bench's case of ``size`` (what ``native_wait`` keys on)."""
+def case_count(op: str, size: int, elem: int, p: int) -> int:
+    """The elements of the bench's case of ``size`` bytes: a multiple of ``p`` for the ops that
+    split their buffer among the ranks (times ``elem``: what ``native_wait`` keys a call on)."""
     count = max(size // elem, 0)
-    return (count - count % p if op in ("all_gather", "reduce_scatter", "all_to_all") else count) * elem
+    return count - count % p if op in ("all_gather", "reduce_scatter", "all_to_all") else count
 
 
 def _wait_modes(nbytes: list[int], p: int) -> list[list[str]]:
