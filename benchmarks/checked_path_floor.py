@@ -1,7 +1,8 @@
 """What a checked native all-gather costs, piece by piece (docs/benchmarks.md, session 34).
 
-    python benchmarks/checked_path_floor.py BYTES ROUNDS CALLS [WAIT]
+    python benchmarks/checked_path_floor.py BYTES ROUNDS CALLS [WAIT] [PATHS]
     python benchmarks/checked_path_floor.py 4096 11 300 look
+    python benchmarks/checked_path_floor.py 4096 21 200 learn torch,auto,auto-look,auto-park
 
 Two ranks on the torch transport (gloo) call a 4 KB (BYTES) all-gather back to back through:
 
@@ -10,9 +11,12 @@ Two ranks on the torch transport (gloo) call a 4 KB (BYTES) all-gather back to b
 * ``board``: ``bare`` inside the check board's post, verdict, settle and compared;
 * ``board-native``: the same through ``native.all_gather`` (meshtrain's wait, ``native_wait``);
 * ``board-ahead``: as the runner does it, torch's op ahead of a late peer's post (``check_board.Ahead``);
-* ``nocheck`` / ``checked``: meshtrain's whole path with the metadata check off / on.
+* ``nocheck`` / ``checked``: meshtrain's whole path with the metadata check off / on;
+* ``auto``: the whole path with ``algorithm="auto"`` (settled first: it has kept torch's own op), and
+  ``auto-look`` / ``auto-park`` the same with meshtrain's wait fixed.
 
-WAIT fixes meshtrain's wait (``look`` or ``park``, default ``park``). Rounds interleave the paths;
+WAIT fixes meshtrain's wait (``look`` or ``park``, default ``park``; ``learn``: as shipped). PATHS, a
+comma-separated list of the names above, runs only those (default: all; the ratios are to the first). Rounds interleave the paths;
 each prints the median over rounds of the slower rank's wall time a call, and the median over ranks
 and rounds of the calling thread's CPU time a call (gloo's own threads not counted).
 """
@@ -33,7 +37,7 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     import meshtrain.comm as mc
-    from meshtrain.bench.comm import float32_inputs, mc_call, torch_call
+    from meshtrain.bench.comm import _settle, float32_inputs, mc_call, torch_call
     from meshtrain.comm import check_board
     from meshtrain.comm.algorithms import native, native_wait
     from meshtrain.comm.call import resolve_group
@@ -66,10 +70,11 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             board.compared(seq)
         return call
 
-    def whole(check: bool):
+    def whole(check: bool, algo: str = "native", wait: str | None = None):
         def call() -> None:
             comm.check = check
-            mc_call("all_gather", "native", inp, out, p)
+            native_wait.set_mode(wait or cfg["wait"])
+            mc_call("all_gather", algo, inp, out, p)
         return call
 
     def through_native() -> None:
@@ -77,7 +82,12 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     paths = {"torch": lambda: torch_call("all_gather", inp, out), "bare": bare, "board": on_board(bare),
              "board-native": on_board(through_native), "board-ahead": on_board(through_native, ahead=True),
-             "nocheck": whole(False), "checked": whole(True)}
+             "nocheck": whole(False), "checked": whole(True),
+             "auto": whole(True, "auto"), "auto-look": whole(True, "auto", "look"),
+             "auto-park": whole(True, "auto", "park")}
+    _settle("all_gather", inp.clone(), out.clone(), p)
+    if cfg["paths"]:
+        paths = {k: paths[k] for k in cfg["paths"]}
     wall: dict[str, list[float]] = {k: [] for k in paths}
     cpu: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(cfg["rounds"]):
@@ -101,7 +111,8 @@ def main(argv: list[str]) -> int:
         return 2
     from meshtrain.comm.launch import spawn
 
-    cfg = dict(bytes=int(argv[0]), rounds=int(argv[1]), calls=int(argv[2]), wait=argv[3] if len(argv) > 3 else "park")
+    cfg = dict(bytes=int(argv[0]), rounds=int(argv[1]), calls=int(argv[2]), wait=argv[3] if len(argv) > 3 else "park",
+               paths=argv[4].split(",") if len(argv) > 4 else [])
     out = spawn(2, rank_main, cfg, transport="torch", timeout=600)
     base = None
     for name in out[0]["wall"]:

@@ -7,7 +7,7 @@ power-of-two size bucket, preferred algorithm) a *slot*:
 
 * **warm**: where torch's own is a candidate and the calls are below ``WARM_MAX_BYTES``, the slot's
   first ``WARM`` calls run it untimed, so that it is timed as it runs once kept: with its wait mode
-  for the size learned (``algorithms/native_wait.py`` explores looking and parking on its first 32
+  for the size learned (``algorithms/native_wait.py`` explores looking and parking on its first 64
   calls of a size, and a parked small op costs a third more on the 2-core VM) and gloo's first calls
   of the size behind it. Timed while still learning, torch's own read 2-3x its back-to-back time on
   64 KB calls and lost to algorithms that then ran at 0.40-0.68 of it (docs/benchmarks.md, session 32).

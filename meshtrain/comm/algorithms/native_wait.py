@@ -16,7 +16,9 @@ class:
   loop pays) in *every* round: where parking helps, it wins each round by far (1.2-2.1x on the
   16-core host), while on a noisy 2-core VM a round's mean swings 2x and one lucky round must not
   settle it (4 KB all-gathers over 2 ranks: parked 0.72x torch's own op, looked at 1.06x, and a
-  process that had learned to park off one comparison of the means; docs/benchmarks.md, session 31);
+  process that had learned to park off one comparison of the means; docs/benchmarks.md, session 31).
+  Two rounds still kept parking on 4 KB all-gathers there in 5-13 % of explorations (a spell of the
+  scheduler outlasts a round), four in 0-2 % (session 35);
 * **explore again** after ``RECHECK`` calls of the class (a host whose load changed).
 
 The mode is the process's own: either way the op computes the same result, so members need not
@@ -31,7 +33,7 @@ from typing import NamedTuple
 
 LOOK, PARK = True, False
 BLOCK = 8  # consecutive calls of one mode while exploring; the first of each is not counted
-ROUNDS = 2  # passes over the two modes
+ROUNDS = 4  # passes over the two modes (each must favour parking for it to be kept)
 PRIOR = 0.05  # parking is kept only if faster than looking by more than this
 RECHECK = 4096  # calls of a size class between explorations
 MODES = ("learn", "look", "park")
