@@ -32,10 +32,15 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   transport, group shape and host fingerprint; the next run's first call loads group rank 0's
   table (one exchange per group) and keeps those choices without exploring.
 * **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice over torch's own
-  (where that was a candidate), then every ``CHECK_EVERY`` calls, the members time the last
-  ``RECENT`` of them and exchange their ``typical`` time: if the mean strays from the agreed time
-  by more than ``DRIFT`` either way (a link that slowed, a cached choice from a quieter machine, or
-  a choice whose exploring calls ran faster than it runs back to back), the slot explores again.
+  (where that was a candidate), then after twice as many calls each time it holds, up to every
+  ``CHECK_EVERY`` calls (every ``CHECK_EVERY`` for any other choice), the members time the last
+  ``RECENT`` of them and exchange their ``typical`` time. A choice over torch's own whose mean is
+  slower than torch's own was measured, by more than ``PRIOR``, **falls back**: torch's own is kept
+  and the choice leaves the slot's candidates (it lost back to back). Otherwise, if the mean strays
+  from the agreed time by more than ``DRIFT`` either way (a link that slowed, a cached choice from a
+  quieter machine, or a choice whose exploring calls ran faster than it runs back to back), the slot
+  explores again -- except that torch's own running faster than agreed only lowers its agreed time:
+  nothing kept can be slower than it then.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -278,15 +283,38 @@ class Tuner:
     def _check_drift(self, key: tuple, slot: Slot) -> None:
         mine = typical(slot.recent) if slot.recent else None
         posts = self._exchange(f"checking {key[0]}'s time", mine)
-        slot.kept_at, slot.recent, slot.period = slot.calls, [], CHECK_EVERY
+        # A measured choice over torch's own stays on probation: checked again after twice as many
+        # calls each time it holds, up to CHECK_EVERY (see ``_fall_back``).
+        probation = slot.source == "measured" and slot.choice != "native" and "native" in slot.agreed
+        slot.kept_at, slot.recent = slot.calls, []
+        slot.period = min(2 * slot.period, CHECK_EVERY) if probation else CHECK_EVERY
         base = slot.agreed.get(slot.choice or "")
         if base is None or any(p is None for p in posts):
             if base is None and all(p is not None for p in posts):  # a cached choice without times
                 slot.agreed[slot.choice or ""] = sum(posts) / len(posts)
             return
-        ratio = sum(posts) / len(posts) / base
+        recent = sum(posts) / len(posts)
+        if probation and recent > slot.agreed["native"] * (1 + PRIOR):
+            self._fall_back(key, slot, recent)
+            return
+        ratio = recent / base
+        if slot.choice == "native" and ratio < 1:  # torch's own ran faster: nothing can have beaten it
+            slot.agreed["native"] = recent  # since; a slowdown (a slowed link, a busier host) re-probes
+            return
         if ratio > DRIFT or ratio < 1 / DRIFT:
             slot.explore()
+
+    def _fall_back(self, key: tuple, slot: Slot, recent: float) -> None:
+        """The kept choice ran slower back to back than torch's own was measured: keep torch's own,
+        and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm that won
+        its exploring and verifying blocks (64 KB reduce-scatter, ring 0.6 ms against 0.4 ms for
+        torch's own back to back) later ran 3.9 ms a call back to back for a thousand calls, and
+        exploring again after such a drift could keep it once more (docs/benchmarks.md, session 35)."""
+        lost = slot.choice or ""
+        slot.candidates = [c for c in slot.candidates if c != lost]
+        slot.keep("native", dict(slot.agreed, **{lost: recent}), "fallback")
+        if self.group.rank == 0:
+            _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": "native", "agreed": slot.agreed})
 
     def explain(self) -> list[dict[str, Any]]:
         """One row per slot: op, dtype, size range, candidates' agreed times, choice, source."""

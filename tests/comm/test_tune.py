@@ -241,6 +241,81 @@ def test_a_drifted_choice_is_probed_again(monkeypatch):
     assert out[0][0] != first["choice"], "the slowed choice was kept again"
 
 
+def _kept(t, choice, agreed):
+    """A slot of ``t`` that has just kept ``choice``, measured, at the ``agreed`` times."""
+    key = ("all_gather", torch.float32, 17, None)
+    slot = t.slots[key] = tune.Slot(["ring", "native", "direct"])
+    slot.keep(choice, dict(agreed), "measured")
+    return slot
+
+
+def _run_kept(t, slot, calls, seconds):
+    """``calls`` calls through pick(), each timed one recorded at ``seconds``; the algorithms run."""
+    ran = []
+    for _ in range(calls):
+        algo = t.pick("all_gather", 1 << 16, torch.float32, lambda: ["ring", "native", "direct"])
+        pending = t.take()
+        if pending is not None:
+            tune.Tuner.record(pending, algo, seconds)
+        ran.append(algo)
+    return ran
+
+
+def test_a_kept_win_over_native_is_checked_at_doubling_intervals_and_falls_back_when_it_loses(monkeypatch):
+    """A measured choice over torch's own is checked CHECK_FIRST calls after it is kept, then after
+    twice as many calls each time it holds, up to CHECK_EVERY; once its calls back to back are
+    slower than torch's own was measured (beyond PRIOR), torch's own is kept without exploring,
+    the loser leaves the candidates, and the fallback is saved."""
+    saved = []
+    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
+    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: saved.append(entry["algorithm"]))
+    monkeypatch.setattr(tune, "_load_table", lambda key: None)
+    t = tune.Tuner(_OneMember())
+    t.cached = {}
+    slot = _kept(t, "ring", {"ring": 1.0, "native": 2.0, "direct": 3.0})
+    assert slot.period == tune.CHECK_FIRST
+    periods = []
+    for _ in range(6):  # holds at its agreed time: each check doubles the interval, up to CHECK_EVERY
+        _run_kept(t, slot, slot.period + 1, 1.0)
+        periods.append(slot.period)
+    assert periods == [min(tune.CHECK_FIRST * 2 ** (i + 1), tune.CHECK_EVERY) for i in range(6)]
+    assert slot.choice == "ring" and slot.probes == 0 and saved == []
+    # within DRIFT of its own time, but slower than torch's own: falls back (no exploring calls)
+    ran = _run_kept(t, slot, slot.period + 1 + 50, 2.0 * (1 + 2 * tune.PRIOR))
+    assert slot.choice == "native" and slot.source == "fallback" and "ring" not in slot.candidates
+    assert ran[-50:] == ["native"] * 50 and set(ran) == {"ring", "native"}
+    assert slot.agreed["ring"] == pytest.approx(2.0 * (1 + 2 * tune.PRIOR)) and saved == ["native"]
+    assert slot.period == tune.CHECK_EVERY
+
+
+def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explored_again(monkeypatch):
+    """Beyond DRIFT of its own agreed time yet faster than torch's own: the usual drift (explore)."""
+    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
+    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
+    monkeypatch.setattr(tune, "_load_table", lambda key: None)
+    t = tune.Tuner(_OneMember())
+    t.cached = {}
+    slot = _kept(t, "ring", {"ring": 1.0, "native": 4.0})
+    _run_kept(t, slot, slot.period + 1, 1.0 * tune.DRIFT * 1.2)
+    assert slot.choice is None and slot.candidates == ["ring", "native", "direct"]  # exploring again
+
+
+def test_native_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(monkeypatch):
+    """torch's own kept: faster than agreed beyond DRIFT lowers the agreed time (nothing explores);
+    slower beyond DRIFT explores again."""
+    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
+    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
+    monkeypatch.setattr(tune, "_load_table", lambda key: None)
+    t = tune.Tuner(_OneMember())
+    t.cached = {}
+    slot = _kept(t, "native", {"ring": 3.0, "native": 2.0})
+    assert slot.period == tune.CHECK_EVERY
+    ran = _run_kept(t, slot, slot.period + 1, 0.5)
+    assert slot.choice == "native" and set(ran) == {"native"} and slot.agreed["native"] == pytest.approx(0.5)
+    _run_kept(t, slot, slot.period + 1, 0.5 * tune.DRIFT * 1.2)
+    assert slot.choice is None  # slowed: explored again
+
+
 def _persisted(rank: int) -> tuple[list[str], str, str | None, dict[str, float]]:
     import meshtrain.comm as mc2
 
