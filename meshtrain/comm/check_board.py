@@ -99,7 +99,7 @@ class CheckBoard:
         mine = self.words[self.me]
         at = SLOT_AT + 2 * (seq % SLOTS)
         mine[at + 1] = fp
-        mem.fence()  # the fingerprint is visible before the sequence number that vouches for it
+        mem.store_fence()  # the fingerprint is visible before the sequence number that vouches for it
         mine[at] = seq
         self._publish(LATEST, seq)
 

@@ -157,7 +157,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     algo = choose_algorithm(g, "all_gather", algorithm, nbytes, input_tensor.dtype)
     if not output_tensor.is_contiguous():
         raise ValueError("all_gather_into_tensor: output_tensor must be contiguous (call .contiguous())")
-    whole = output_tensor.view(-1)
+    whole = output_tensor if output_tensor.dim() == 1 else output_tensor.view(-1)
     n = input_tensor.numel()
     # torch's own op gathers straight into the flat output: no per-rank views to make (3 us a call)
     outs = None if algo == "native" or g.size == 1 else [whole[i * n : (i + 1) * n] for i in range(g.size)]

@@ -246,12 +246,26 @@ def order(ranks: list[int]) -> list[int]:
     return [ranks.index(r) for r in sorted(ranks)]
 
 
+_OPTIONS: dict[tuple[Any, Any], Any] = {}
+
+
+def _options(kind: Callable[[], Any], op: ReduceOp | None = None) -> Any:
+    """The ProcessGroup's options object of ``kind`` (with reduce op ``op``), built once and shared:
+    the op reads it when issued and keeps none of it, and building one per call cost a pybind object
+    on every call's way in. Never modified after it is built."""
+    opts = _OPTIONS.get((kind, op))
+    if opts is None:
+        opts = kind()
+        if op is not None:
+            opts.reduceOp = torch_op(op)
+        _OPTIONS[kind, op] = opts
+    return opts
+
+
 def all_reduce(pg, buf: torch.Tensor, op: ReduceOp) -> None:
     """torch.distributed.all_reduce."""
     def direct() -> Any:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = torch_op(op)
-        return _world(pg).allreduce([buf], opts)
+        return _world(pg).allreduce([buf], _options(dist.AllreduceOptions, op))
 
     _run(dist.all_reduce, _check(buf), torch_op(op), group=pg, direct=direct if _plain(buf) else None)
 
@@ -301,8 +315,8 @@ def all_gather(pg, ranks: list[int], outs: list[torch.Tensor] | None, inp: torch
     if ranks == sorted(ranks):
         flat = whole if whole is not None else joined(outs)
         if flat is not None:
-            flat_in = _check(inp).reshape(-1)
-            direct = (lambda: _PG_ALL_GATHER_SINGLE(_world(pg), flat, flat_in, _AllgatherOptions())) \
+            flat_in = _check(inp) if inp.dim() == 1 else _check(inp).reshape(-1)
+            direct = (lambda: _PG_ALL_GATHER_SINGLE(_world(pg), flat, flat_in, _options(_AllgatherOptions))) \
                 if _plain(flat_in) else None
             _run(ALL_GATHER_SINGLE, flat, flat_in, group=pg, direct=direct)
             return
@@ -317,12 +331,10 @@ def reduce_scatter(pg, ranks: list[int], out: torch.Tensor, ins: list[torch.Tens
     whole = joined(ins) if ranks == sorted(ranks) and out.is_contiguous() else None
     if whole is not None and whole.dtype == out.dtype:
         # gloo checks dim 0 (output rows x world == input rows): both flat
-        flat_out = _check(out).view(-1)
+        flat_out = _check(out) if out.dim() == 1 else _check(out).view(-1)
 
         def direct() -> Any:
-            opts = dist.ReduceScatterOptions()
-            opts.reduceOp = torch_op(op)
-            return _PG_REDUCE_SCATTER_SINGLE(_world(pg), flat_out, whole, opts)
+            return _PG_REDUCE_SCATTER_SINGLE(_world(pg), flat_out, whole, _options(dist.ReduceScatterOptions, op))
 
         _run(REDUCE_SCATTER_SINGLE, flat_out, whole, torch_op(op), group=pg, direct=direct if _plain(whole) else None)
         return
