@@ -306,10 +306,11 @@ class Tuner:
 
     def _fall_back(self, key: tuple, slot: Slot, recent: float) -> None:
         """The kept choice ran slower back to back than torch's own was measured: keep torch's own,
-        and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm that won
-        its exploring and verifying blocks (64 KB reduce-scatter, ring 0.6 ms against 0.4 ms for
-        torch's own back to back) later ran 3.9 ms a call back to back for a thousand calls, and
-        exploring again after such a drift could keep it once more (docs/benchmarks.md, session 35)."""
+        and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm won its
+        blocks against torch's own in a slow spell (64 KB reduce-scatter: ring 0.6 ms a call, torch's
+        own 1.9 ms), then ran 3.9 ms a call back to back for a thousand calls (torch's own: 0.4-0.8
+        ms), and exploring again after such a drift could keep it once more (docs/benchmarks.md,
+        session 35)."""
         lost = slot.choice or ""
         slot.candidates = [c for c in slot.candidates if c != lost]
         slot.keep("native", dict(slot.agreed, **{lost: recent}), "fallback")
