@@ -117,7 +117,7 @@ def call_meta(shapes: Sequence[Sequence[int]], dtype: torch.dtype, algorithm: st
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     # tuples, so that the runner's fingerprint memo can key on the items (JSON writes them as lists)
-    return dict(shapes=tuple(tuple(s) for s in shapes), dtype=name, algorithm=algorithm, **extra)
+    return dict(shapes=tuple(map(tuple, shapes)), dtype=name, algorithm=algorithm, **extra)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}  # "float32" for torch.float32: str() and replace cost ~1 us a call

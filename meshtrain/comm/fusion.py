@@ -50,5 +50,5 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
             off += t.numel()
         return tensors
 
-    meta = call_meta([t.shape for t in tensors], dtype, algo, redop=rop.value)
+    meta = call_meta([t.shape for t in tensors], dtype, algo, redop=rop._value_)
     return runner.run(g, "all_reduce_coalesced", meta, body, async_op, nbytes)

@@ -123,47 +123,51 @@ def _raise_mismatch(name: str, seq: int, g: Group, payloads: list[str]) -> None:
 
 def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], async_op: bool,
         nbytes: int, pairwise: Any = None, force_exchange: bool = False) -> Work | None:
-    """Run ``body(ctx)`` as collective ``name`` on group ``g``; a Work if ``async_op`` else None."""
-    comm = g.comm
+    """Run ``body(ctx)`` as collective ``name`` on group ``g``; a Work if ``async_op`` else None.
+    ``meta`` is the call's own ``call.call_meta`` (the op's name is added to it)."""
     if g.rank < 0:
         raise ValueError(
-            f"rank {comm.rank} called {name} on group {g.gid} (ranks {g.ranks}) but is not a member"
+            f"rank {g.comm.rank} called {name} on group {g.gid} (ranks {g.ranks}) but is not a member"
         )
     seq = g.next_seq()
-    meta = dict(meta, op=name)  # the seq stays apart: call_fingerprint memoizes the rest
+    meta["op"] = name  # the seq stays apart: call_fingerprint memoizes the rest
     timed = g.tuner.take() if g.tuner else None  # auto is learning: time this call (comm/tune.py)
-
-    def execute() -> Any:
-        start = tune.now() if timed else 0.0
-        entry = comm.monitor.begin(g.gid, g.ranks, seq, name, str(meta.get("algorithm")),
-                                   meta.get("shapes", []), str(meta.get("dtype")), nbytes)
-        ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), time.monotonic() + g.timeout, g.pool,
-                  g.hosts)
-        try:
-            if (comm.check or force_exchange) and g.size > 1:
-                result = _run_checked(g, name, seq, meta, body, ctx, pairwise, force_exchange)
-            else:
-                result = body(ctx)
-        except PeerTimeout as exc:
-            err = _timeout_error(name, seq, g, exc)
-            comm.monitor.end(entry, ctx.sent_bytes, err)
-            raise err from None
-        except BaseException as exc:
-            comm.monitor.end(entry, ctx.sent_bytes, exc)
-            named = named_peer_loss(g, name, seq, exc)
-            if named is not None:
-                raise named from exc
-            raise
-        comm.monitor.end(entry, ctx.sent_bytes)
-        if timed:
-            tune.Tuner.record(timed, meta["algorithm"], tune.now() - start)
-        return result
-
     if async_op:
-        return g.submit(execute, f"{name} #{seq} on group {g.gid}")
+        return g.submit(lambda: _execute(g, name, seq, meta, body, nbytes, timed, pairwise, force_exchange),
+                        f"{name} #{seq} on group {g.gid}")
     g.drain()
-    execute()
+    _execute(g, name, seq, meta, body, nbytes, timed, pairwise, force_exchange)
     return None
+
+
+def _execute(g: Group, name: str, seq: int, meta: dict[str, Any], body: Callable[[Ctx], Any], nbytes: int,
+             timed: Any, pairwise: Any, force_exchange: bool) -> Any:
+    """``run``'s call itself, on the caller's thread or the group's worker: recorded, checked, timed."""
+    comm = g.comm
+    start = tune.now() if timed else 0.0
+    entry = comm.monitor.begin(g.gid, g.ranks, seq, name, meta["algorithm"], meta["shapes"], meta["dtype"],
+                               nbytes)  # (call_meta's strings and tuples)
+    ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), time.monotonic() + g.timeout, g.pool,
+              g.hosts)
+    try:
+        if (comm.check or force_exchange) and g.size > 1:
+            result = _run_checked(g, name, seq, meta, body, ctx, pairwise, force_exchange)
+        else:
+            result = body(ctx)
+    except PeerTimeout as exc:
+        err = _timeout_error(name, seq, g, exc)
+        comm.monitor.end(entry, ctx.sent_bytes, err)
+        raise err from None
+    except BaseException as exc:
+        comm.monitor.end(entry, ctx.sent_bytes, exc)
+        named = named_peer_loss(g, name, seq, exc)
+        if named is not None:
+            raise named from exc
+        raise
+    comm.monitor.end(entry, ctx.sent_bytes)
+    if timed:
+        tune.Tuner.record(timed, meta["algorithm"], tune.now() - start)
+    return result
 
 
 def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Callable[[Ctx], Any], ctx: Ctx,
