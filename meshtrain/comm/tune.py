@@ -34,9 +34,12 @@ power-of-two size bucket, preferred algorithm) a *slot*:
 * **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice over torch's own
   (where that was a candidate), then after twice as many calls each time it holds, up to every
   ``CHECK_EVERY`` calls (every ``CHECK_EVERY`` for any other choice), the members time the last
-  ``RECENT`` of them and exchange their ``typical`` time. A choice over torch's own whose mean is
-  slower than torch's own was measured, by more than ``PRIOR``, **falls back**: torch's own is kept
-  and the choice leaves the slot's candidates (it lost back to back). Otherwise, if the mean strays
+  ``RECENT`` of them and exchange their ``typical`` time. Such a choice on probation **races**
+  torch's own first: ``VERIFY_SKIP`` + ``RECENT`` calls of torch's own, back to back, the last
+  ``RECENT`` timed, so both are measured in the same spell of the host. If the choice's mean is
+  slower than torch's own just ran (or, without those times, than it was measured), by more than
+  ``PRIOR``, the slot **falls back**: torch's own is kept and the choice leaves the slot's
+  candidates (it lost back to back). Otherwise, if the mean strays
   from the agreed time by more than ``DRIFT`` either way (a link that slowed, a cached choice from a
   quieter machine, or a choice whose exploring calls ran faster than it runs back to back), the slot
   explores again -- except that torch's own running faster than agreed only lowers its agreed time:
@@ -114,7 +117,7 @@ class Slot:
     """One (op, dtype, size bucket)'s state on one member; see the module docstring."""
 
     __slots__ = ("candidates", "calls", "times", "choice", "agreed", "source", "kept_at", "recent", "probes",
-                 "period", "all_candidates", "warm")
+                 "period", "all_candidates", "warm", "race")
 
     def __init__(self, candidates: list[str], warm: int = 0) -> None:
         self.candidates = candidates
@@ -126,6 +129,7 @@ class Slot:
         self.source = "only candidate" if self.choice else "exploring"
         self.kept_at = 0
         self.recent: list[float] = []
+        self.race: list[float] = []  # torch's own timed beside a choice on probation (``on_probation``)
         self.probes = 0  # times explored (re-probes after drift count)
         self.period = CHECK_EVERY  # calls from ``kept_at`` to the next drift check
         self.all_candidates: list[str] | None = None  # set while a win over native is verified
@@ -135,9 +139,13 @@ class Slot:
         torch's own and chosen over it: exploring calls of meshtrain's algorithms can run faster
         than the same calls back to back)."""
         self.choice, self.agreed, self.source = choice, agreed, source
-        self.kept_at, self.recent = self.calls, []
-        soon = source == "measured" and choice != "native" and "native" in agreed
-        self.period = CHECK_FIRST if soon else CHECK_EVERY
+        self.kept_at, self.recent, self.race = self.calls, [], []
+        self.period = CHECK_FIRST if self.on_probation() else CHECK_EVERY
+
+    def on_probation(self) -> bool:
+        """True while the kept choice is a measured win over torch's own: each of its checks races
+        it against torch's own, back to back (``Tuner.pick``)."""
+        return self.source == "measured" and self.choice != "native" and "native" in self.agreed
 
     def explore(self) -> None:
         """Start exploring again (after a drift)."""
@@ -155,7 +163,7 @@ class Slot:
         self._restart()
 
     def _restart(self) -> None:
-        self.choice, self.calls, self.kept_at, self.recent = None, 0, 0, []
+        self.choice, self.calls, self.kept_at, self.recent, self.race = None, 0, 0, [], []
         self.times = {c: [] for c in self.candidates}
 
 
@@ -199,6 +207,10 @@ class Tuner:
             if slot.choice is None:  # a win over torch's own is being verified: its first call
                 return self.pick(op, nbytes, dtype, candidates)
         elif slot.calls - slot.kept_at > slot.period:
+            n = slot.calls - slot.kept_at - slot.period - 1
+            if slot.on_probation() and n < VERIFY_SKIP + RECENT:  # the race: torch's own, back to back
+                self._pending.v = (slot, "native", n >= VERIFY_SKIP)
+                return "native"
             self._check_drift(key, slot)
             if slot.choice is None:  # drifted: explore again from this call
                 return self.pick(op, nbytes, dtype, candidates)
@@ -223,6 +235,8 @@ class Tuner:
             slot.times[algo].append(seconds)
         elif algo == slot.choice:
             slot.recent.append(seconds)
+        elif algo == "native":
+            slot.race.append(seconds)
 
     # -- agreement -----------------------------------------------------------------------------
     def _exchange(self, what: str, payload: Any) -> list[Any]:
@@ -282,11 +296,17 @@ class Tuner:
 
     def _check_drift(self, key: tuple, slot: Slot) -> None:
         mine = typical(slot.recent) if slot.recent else None
-        posts = self._exchange(f"checking {key[0]}'s time", mine)
-        # A measured choice over torch's own stays on probation: checked again after twice as many
-        # calls each time it holds, up to CHECK_EVERY (see ``_fall_back``).
-        probation = slot.source == "measured" and slot.choice != "native" and "native" in slot.agreed
-        slot.kept_at, slot.recent = slot.calls, []
+        # A measured choice over torch's own stays on probation: each check races it against torch's
+        # own (the calls just before, ``pick``), and it is checked again after twice as many calls
+        # each time it holds, up to CHECK_EVERY (see ``_fall_back``).
+        probation = slot.on_probation()
+        if probation:
+            posts = self._exchange(f"checking {key[0]}'s time", [mine, typical(slot.race) if slot.race else None])
+            raced = [p[1] for p in posts]
+            posts = [p[0] for p in posts]
+        else:
+            posts = self._exchange(f"checking {key[0]}'s time", mine)
+        slot.kept_at, slot.recent, slot.race = slot.calls, [], []
         slot.period = min(2 * slot.period, CHECK_EVERY) if probation else CHECK_EVERY
         base = slot.agreed.get(slot.choice or "")
         if base is None or any(p is None for p in posts):
@@ -294,9 +314,11 @@ class Tuner:
                 slot.agreed[slot.choice or ""] = sum(posts) / len(posts)
             return
         recent = sum(posts) / len(posts)
-        if probation and recent > slot.agreed["native"] * (1 + PRIOR):
-            self._fall_back(key, slot, recent)
-            return
+        if probation:  # torch's own as it ran just now, or else as it was measured
+            native = sum(raced) / len(raced) if all(r is not None for r in raced) else slot.agreed["native"]
+            if recent > native * (1 + PRIOR):
+                self._fall_back(key, slot, recent, native)
+                return
         ratio = recent / base
         if slot.choice == "native" and ratio < 1:  # torch's own ran faster: nothing can have beaten it
             slot.agreed["native"] = recent  # since; a slowdown (a slowed link, a busier host) re-probes
@@ -304,16 +326,16 @@ class Tuner:
         if ratio > DRIFT or ratio < 1 / DRIFT:
             slot.explore()
 
-    def _fall_back(self, key: tuple, slot: Slot, recent: float) -> None:
-        """The kept choice ran slower back to back than torch's own was measured: keep torch's own,
-        and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm won its
+    def _fall_back(self, key: tuple, slot: Slot, recent: float, native: float) -> None:
+        """The kept choice ran slower back to back than torch's own (``native`` seconds a call): keep
+        torch's own, and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm won its
         blocks against torch's own in a slow spell (64 KB reduce-scatter: ring 0.6 ms a call, torch's
         own 1.9 ms), then ran 3.9 ms a call back to back for a thousand calls (torch's own: 0.4-0.8
         ms), and exploring again after such a drift could keep it once more (docs/benchmarks.md,
         session 35)."""
         lost = slot.choice or ""
         slot.candidates = [c for c in slot.candidates if c != lost]
-        slot.keep("native", dict(slot.agreed, **{lost: recent}), "fallback")
+        slot.keep("native", dict(slot.agreed, **{lost: recent, "native": native}), "fallback")
         if self.group.rank == 0:
             _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": "native", "agreed": slot.agreed})
 

@@ -250,22 +250,27 @@ def _kept(t, choice, agreed):
 
 
 def _run_kept(t, slot, calls, seconds):
-    """``calls`` calls through pick(), each timed one recorded at ``seconds``; the algorithms run."""
+    """``calls`` calls through pick(), each timed one recorded at ``seconds[algorithm]`` (or
+    ``seconds`` for every algorithm); the algorithms run."""
     ran = []
     for _ in range(calls):
         algo = t.pick("all_gather", 1 << 16, torch.float32, lambda: ["ring", "native", "direct"])
         pending = t.take()
         if pending is not None:
-            tune.Tuner.record(pending, algo, seconds)
+            tune.Tuner.record(pending, algo, seconds[algo] if isinstance(seconds, dict) else seconds)
         ran.append(algo)
     return ran
 
 
-def test_a_kept_win_over_native_is_checked_at_doubling_intervals_and_falls_back_when_it_loses(monkeypatch):
+RACE = tune.VERIFY_SKIP + tune.RECENT  # torch's own calls that race a choice on probation at each check
+
+
+def test_a_kept_win_over_native_races_it_at_doubling_intervals_and_falls_back_when_it_loses(monkeypatch):
     """A measured choice over torch's own is checked CHECK_FIRST calls after it is kept, then after
-    twice as many calls each time it holds, up to CHECK_EVERY; once its calls back to back are
-    slower than torch's own was measured (beyond PRIOR), torch's own is kept without exploring,
-    the loser leaves the candidates, and the fallback is saved."""
+    twice as many calls each time it holds, up to CHECK_EVERY. Each check races it: RACE calls of
+    torch's own back to back, the last RECENT timed. Once the choice runs slower than torch's own
+    just ran (beyond PRIOR) -- even where torch's own was measured slower while exploring -- torch's
+    own is kept without exploring, the loser leaves the candidates, and the fallback is saved."""
     saved = []
     monkeypatch.setattr(tune, "_table_key", lambda group: "test")
     monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: saved.append(entry["algorithm"]))
@@ -275,17 +280,19 @@ def test_a_kept_win_over_native_is_checked_at_doubling_intervals_and_falls_back_
     slot = _kept(t, "ring", {"ring": 1.0, "native": 2.0, "direct": 3.0})
     assert slot.period == tune.CHECK_FIRST
     periods = []
-    for _ in range(6):  # holds at its agreed time: each check doubles the interval, up to CHECK_EVERY
-        _run_kept(t, slot, slot.period + 1, 1.0)
+    for _ in range(6):  # holds against torch's own: each check doubles the interval, up to CHECK_EVERY
+        period = slot.period
+        ran = _run_kept(t, slot, period + RACE + 1, {"ring": 1.0, "native": 1.0})
+        assert ran[period:period + RACE] == ["native"] * RACE and ran[-1] == "ring"
         periods.append(slot.period)
     assert periods == [min(tune.CHECK_FIRST * 2 ** (i + 1), tune.CHECK_EVERY) for i in range(6)]
     assert slot.choice == "ring" and slot.probes == 0 and saved == []
-    # within DRIFT of its own time, but slower than torch's own: falls back (no exploring calls)
-    ran = _run_kept(t, slot, slot.period + 1 + 50, 2.0 * (1 + 2 * tune.PRIOR))
+    # ring as fast as it was agreed, but torch's own now runs faster than it did while exploring
+    ran = _run_kept(t, slot, slot.period + RACE + 1 + 50, {"ring": 1.0, "native": 0.5})
     assert slot.choice == "native" and slot.source == "fallback" and "ring" not in slot.candidates
     assert ran[-50:] == ["native"] * 50 and set(ran) == {"ring", "native"}
-    assert slot.agreed["ring"] == pytest.approx(2.0 * (1 + 2 * tune.PRIOR)) and saved == ["native"]
-    assert slot.period == tune.CHECK_EVERY
+    assert slot.agreed["ring"] == pytest.approx(1.0) and slot.agreed["native"] == pytest.approx(0.5)
+    assert saved == ["native"] and slot.period == tune.CHECK_EVERY
 
 
 def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explored_again(monkeypatch):
@@ -296,7 +303,7 @@ def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explor
     t = tune.Tuner(_OneMember())
     t.cached = {}
     slot = _kept(t, "ring", {"ring": 1.0, "native": 4.0})
-    _run_kept(t, slot, slot.period + 1, 1.0 * tune.DRIFT * 1.2)
+    _run_kept(t, slot, slot.period + RACE + 1, {"ring": tune.DRIFT * 1.2, "native": 4.0})
     assert slot.choice is None and slot.candidates == ["ring", "native", "direct"]  # exploring again
 
 
