@@ -39,11 +39,11 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   ``RECENT`` timed, so both are measured in the same spell of the host. If the choice's mean is
   slower than torch's own just ran (or, without those times, than it was measured), by more than
   ``PRIOR``, the slot **falls back**: torch's own is kept and the choice leaves the slot's
-  candidates (it lost back to back). Otherwise, if the mean strays
-  from the agreed time by more than ``DRIFT`` either way (a link that slowed, a cached choice from a
-  quieter machine, or a choice whose exploring calls ran faster than it runs back to back), the slot
-  explores again -- except that torch's own running faster than agreed only lowers its agreed time:
-  nothing kept can be slower than it then.
+  candidates (it lost back to back). Otherwise, if the mean strays from the agreed time by more
+  than ``DRIFT`` either way (a link that slowed, a cached choice from a quieter machine, or a choice
+  whose exploring calls ran faster than it runs back to back), the slot explores again -- except
+  that torch's own running faster than agreed only lowers its agreed time: nothing kept can be
+  slower than it then.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -291,8 +291,12 @@ class Tuner:
         slot.verified()
         slot.probes += 1
         slot.keep(choice, agreed, "measured")
+        self._save(key, slot)
+
+    def _save(self, key: tuple, slot: Slot) -> None:
+        """Group rank 0 writes the slot's kept choice and agreed times to the calibration cache."""
         if self.group.rank == 0:
-            _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": choice, "agreed": agreed})
+            _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": slot.choice, "agreed": slot.agreed})
 
     def _check_drift(self, key: tuple, slot: Slot) -> None:
         mine = typical(slot.recent) if slot.recent else None
@@ -328,16 +332,15 @@ class Tuner:
 
     def _fall_back(self, key: tuple, slot: Slot, recent: float, native: float) -> None:
         """The kept choice ran slower back to back than torch's own (``native`` seconds a call): keep
-        torch's own, and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm won its
-        blocks against torch's own in a slow spell (64 KB reduce-scatter: ring 0.6 ms a call, torch's
-        own 1.9 ms), then ran 3.9 ms a call back to back for a thousand calls (torch's own: 0.4-0.8
-        ms), and exploring again after such a drift could keep it once more (docs/benchmarks.md,
-        session 35)."""
+        torch's own, and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm
+        won its blocks against torch's own in a slow spell (64 KB reduce-scatter: ring 0.6 ms a
+        call, torch's own 1.9 ms), then ran 3.9 ms a call back to back for a thousand calls (torch's
+        own: 0.4-0.8 ms), and exploring again after such a drift could keep it once more
+        (docs/benchmarks.md, session 35)."""
         lost = slot.choice or ""
         slot.candidates = [c for c in slot.candidates if c != lost]
         slot.keep("native", dict(slot.agreed, **{lost: recent, "native": native}), "fallback")
-        if self.group.rank == 0:
-            _save_entry(_table_key(self.group), _slot_name(key), {"algorithm": "native", "agreed": slot.agreed})
+        self._save(key, slot)
 
     def explain(self) -> list[dict[str, Any]]:
         """One row per slot: op, dtype, size range, candidates' agreed times, choice, source."""
