@@ -91,6 +91,17 @@ def test_members_keep_one_choice_when_their_own_timings_disagree(monkeypatch):
     assert set(out[0][0][rounds * k * tune.BLOCK:]) == {out[0][1]}, "after exploring, only the choice runs"
 
 
+@pytest.fixture
+def saved(monkeypatch):
+    """The tuner's cache off disk, for tests of a bare Tuner: nothing is loaded; the list of the
+    algorithms it saves, in order."""
+    entries: list[str] = []
+    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
+    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: entries.append(entry["algorithm"]))
+    monkeypatch.setattr(tune, "_load_table", lambda key: None)
+    return entries
+
+
 class _OneMember:
     """The group a Tuner reads, of one member: its exchange returns the member's own post."""
 
@@ -105,7 +116,7 @@ class _OneMember:
                 return [payload]
 
 
-def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
+def test_a_tail_the_median_hides_decides_and_native_wins_ties(saved):
     """``typical`` is the mean of a candidate's calls but the slowest: a candidate fast on most calls
     and stalled on a third of them loses to a steady one (its median would have won); a candidate
     within PRIOR of torch's own does not replace it, and one beyond it must win a second pass."""
@@ -114,9 +125,6 @@ def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
     assert sorted(fast_median)[4] < sorted(steady)[4] and tune.typical(fast_median) > tune.typical(steady)
     assert tune.typical([1.0, 1.0, 100.0]) == 1.0 and tune.typical([3.0, 5.0]) == 4.0
 
-    saved = []
-    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
-    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: saved.append(entry["algorithm"]))
     key = ("all_reduce", "float32", 12, None)
     t = tune.Tuner(_OneMember())
     t.cached = {}
@@ -142,13 +150,10 @@ def test_a_tail_the_median_hides_decides_and_native_wins_ties(monkeypatch):
     assert slot.choice == "ring" and slot.period == tune.CHECK_EVERY
 
 
-def test_the_call_path_verifies_a_win_over_native_then_keeps_it(monkeypatch):
+def test_the_call_path_verifies_a_win_over_native_then_keeps_it(saved):
     """pick(): torch's own untimed first (its wait mode learned before it is timed), the candidates'
     blocks, then blocks of torch's own and the winner only, then the winner alone (one member; times
     recorded as the runner would)."""
-    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
-    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
-    monkeypatch.setattr(tune, "_load_table", lambda key: None)
     t = tune.Tuner(_OneMember())
     seconds = {"tree": 3.0, "native": 2.0, "ring": 1.0}
     ran, timed = [], []
@@ -172,12 +177,9 @@ def test_the_call_path_verifies_a_win_over_native_then_keeps_it(monkeypatch):
     assert slot.candidates == ["tree", "native", "ring"] and slot.source == "measured" and slot.probes == 1
 
 
-def test_torch_own_warms_up_only_where_its_wait_mode_matters_and_only_once(monkeypatch):
+def test_torch_own_warms_up_only_where_its_wait_mode_matters_and_only_once(saved):
     """The untimed calls of torch's own come before a slot's first exploration only: not without it
     among the candidates, not from WARM_MAX_BYTES up, not when a drifted choice is explored again."""
-    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
-    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
-    monkeypatch.setattr(tune, "_load_table", lambda key: None)
 
     def first(t, nbytes, cands, n):
         out = []
@@ -265,16 +267,12 @@ def _run_kept(t, slot, calls, seconds):
 RACE = tune.VERIFY_SKIP + tune.RECENT  # torch's own calls that race a choice on probation at each check
 
 
-def test_a_kept_win_over_native_races_it_at_doubling_intervals_and_falls_back_when_it_loses(monkeypatch):
+def test_a_kept_win_over_native_races_it_at_doubling_intervals_and_falls_back_when_it_loses(saved):
     """A measured choice over torch's own is checked CHECK_FIRST calls after it is kept, then after
     twice as many calls each time it holds, up to CHECK_EVERY. Each check races it: RACE calls of
     torch's own back to back, the last RECENT timed. Once the choice runs slower than torch's own
     just ran (beyond PRIOR) -- even where torch's own was measured slower while exploring -- torch's
     own is kept without exploring, the loser leaves the candidates, and the fallback is saved."""
-    saved = []
-    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
-    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: saved.append(entry["algorithm"]))
-    monkeypatch.setattr(tune, "_load_table", lambda key: None)
     t = tune.Tuner(_OneMember())
     t.cached = {}
     slot = _kept(t, "ring", {"ring": 1.0, "native": 2.0, "direct": 3.0})
@@ -295,11 +293,8 @@ def test_a_kept_win_over_native_races_it_at_doubling_intervals_and_falls_back_wh
     assert saved == ["native"] and slot.period == tune.CHECK_EVERY
 
 
-def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explored_again(monkeypatch):
+def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explored_again(saved):
     """Beyond DRIFT of its own agreed time yet faster than torch's own: the usual drift (explore)."""
-    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
-    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
-    monkeypatch.setattr(tune, "_load_table", lambda key: None)
     t = tune.Tuner(_OneMember())
     t.cached = {}
     slot = _kept(t, "ring", {"ring": 1.0, "native": 4.0})
@@ -307,12 +302,9 @@ def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explor
     assert slot.choice is None and slot.candidates == ["ring", "native", "direct"]  # exploring again
 
 
-def test_native_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(monkeypatch):
+def test_native_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(saved):
     """torch's own kept: faster than agreed beyond DRIFT lowers the agreed time (nothing explores);
     slower beyond DRIFT explores again."""
-    monkeypatch.setattr(tune, "_table_key", lambda group: "test")
-    monkeypatch.setattr(tune, "_save_entry", lambda key, name, entry: None)
-    monkeypatch.setattr(tune, "_load_table", lambda key: None)
     t = tune.Tuner(_OneMember())
     t.cached = {}
     slot = _kept(t, "native", {"ring": 3.0, "native": 2.0})
