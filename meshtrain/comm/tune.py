@@ -40,10 +40,11 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   slower than torch's own just ran (or, without those times, than it was measured), by more than
   ``PRIOR``, the slot **falls back**: torch's own is kept and the choice leaves the slot's
   candidates (it lost back to back). Otherwise, if the mean strays from the agreed time by more
-  than ``DRIFT`` either way (a link that slowed, a cached choice from a quieter machine, or a choice
-  whose exploring calls ran faster than it runs back to back), the slot explores again -- except
-  that torch's own running faster than agreed only lowers its agreed time: nothing kept can be
-  slower than it then.
+  than ``DRIFT`` above the agreed time (a link that slowed, a cached choice from a quieter machine,
+  or a choice whose exploring calls ran faster than it runs back to back), the slot explores
+  again. A choice running faster than agreed only lowers its agreed time: its exploring blocks,
+  each after another algorithm's calls, read slower than its calls back to back, and the others
+  were measured slower still.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -77,7 +78,7 @@ VERIFY_SKIP = 4  # ... whose first calls are not counted: after another algorith
 CHECK_EVERY = 1024  # calls of a kept choice between drift checks
 CHECK_FIRST = 64  # ... but the first check comes this soon after a measured choice
 RECENT = 16  # calls timed before each drift check
-DRIFT = 1.5  # a recent/agreed time ratio beyond this (or below its inverse) explores again
+DRIFT = 1.5  # a recent/agreed time ratio above this explores again
 MAX_CANDIDATES = 4
 WARM = native_wait.ROUNDS * 2 * native_wait.BLOCK  # torch's own, untimed, before a slot's first exploration
 WARM_MAX_BYTES = 4 << 20  # where its wait mode matters (``native.polled`` looks longest below it)
@@ -323,11 +324,16 @@ class Tuner:
             if recent > native * (1 + PRIOR):
                 self._fall_back(key, slot, recent, native)
                 return
-        ratio = recent / base
-        if slot.choice == "native" and ratio < 1:  # torch's own ran faster: nothing can have beaten it
-            slot.agreed["native"] = recent  # since; a slowdown (a slowed link, a busier host) re-probes
+        if recent < base:
+            # Faster than agreed: the choice's time is lowered, nothing explores. The others were
+            # measured slower than its old time, and a choice's exploring blocks (each after another
+            # algorithm's calls) ran 2-4x its time back to back: the shm collective at 4 KB read
+            # 95-180 us while exploring, 43-50 back to back, so every check explored again, ~50
+            # calls of slower candidates each 1,024 (docs/benchmarks.md, session 36). A slowdown (a
+            # slowed link, a busier host) still re-probes.
+            slot.agreed[slot.choice or ""] = recent
             return
-        if ratio > DRIFT or ratio < 1 / DRIFT:
+        if recent / base > DRIFT:
             slot.explore()
 
     def _fall_back(self, key: tuple, slot: Slot, recent: float, native: float) -> None:

@@ -302,15 +302,20 @@ def test_a_kept_win_over_native_slower_than_agreed_but_not_than_native_is_explor
     assert slot.choice is None and slot.candidates == ["ring", "native", "direct"]  # exploring again
 
 
-def test_native_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(saved):
-    """torch's own kept: faster than agreed beyond DRIFT lowers the agreed time (nothing explores);
-    slower beyond DRIFT explores again."""
+@pytest.mark.parametrize("choice,agreed", [("native", {"ring": 3.0, "native": 2.0}),
+                                           ("direct", {"ring": 3.0, "direct": 2.0})])
+def test_a_choice_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(saved, choice, agreed):
+    """A kept choice (torch's own, or one of meshtrain's where torch's own was no candidate) running
+    faster than agreed, even beyond DRIFT, lowers its agreed time and nothing explores: its
+    exploring blocks read slower than its calls back to back. Slower beyond DRIFT explores again."""
     t = tune.Tuner(_OneMember())
     t.cached = {}
-    slot = _kept(t, "native", {"ring": 3.0, "native": 2.0})
-    assert slot.period == tune.CHECK_EVERY
-    ran = _run_kept(t, slot, slot.period + 1, 0.5)
-    assert slot.choice == "native" and set(ran) == {"native"} and slot.agreed["native"] == pytest.approx(0.5)
+    slot = _kept(t, choice, agreed)
+    assert slot.period == tune.CHECK_EVERY and not slot.on_probation()
+    for _ in range(3):
+        ran = _run_kept(t, slot, slot.period + 1, 0.5)
+        assert slot.choice == choice and set(ran) == {choice} and slot.agreed[choice] == pytest.approx(0.5)
+    assert slot.probes == 0 and slot.agreed["ring"] == 3.0
     _run_kept(t, slot, slot.period + 1, 0.5 * tune.DRIFT * 1.2)
     assert slot.choice is None  # slowed: explored again
 
