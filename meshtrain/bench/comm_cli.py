@@ -226,16 +226,18 @@ def _main_hosts(args: argparse.Namespace) -> int:
 
 
 def print_explain(where: str, rows: list[dict[str, Any]]) -> None:
-    """``--explain``: per op and size range, auto's kept algorithm and each candidate's time (the
-    mean over ranks of each rank's median, as agreed), or why there is none."""
+    """``--explain``: per op and size range, auto's kept algorithm, how (and how often, where a
+    drift explored again) it was chosen, and each candidate's time (the mean over ranks of each
+    rank's mean but its slowest call, as agreed), or why there is none."""
     print(f"# auto on the world, {where}: size -> algorithm kept (how), candidates' measured times")
     if not rows:
         print("#   nothing learned: auto keeps its static choice here (ranks as threads, NCCL, "
               "MESHTRAIN_AUTO_TUNE=0, or no auto call)")
     for r in rows:
         times = "  ".join(f"{a} {t * 1e6:.0f}us" for a, t in sorted(r["agreed_s"].items(), key=lambda kv: kv[1]))
+        how = r["source"] + (f", explored {r['probes']}x" if r.get("probes", 0) > 1 else "")  # drifts re-probed
         print(f"  {r['op']:15s} {r['dtype']:9s} {report_size(r['bytes_from']):>6}-{report_size(r['bytes_below']):<6} "
-              f"-> {str(r['choice']):19s} ({r['source']})  {times}")
+              f"-> {str(r['choice']):19s} ({how})  {times}")
     print()
 
 

@@ -24,27 +24,29 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   torch's own, is within ``PRIOR`` of it, which then stays: a win inside the noise does not
   overturn the measured rules, nor the peer auto must not lose to. So the choice is never measured
   more than ``PRIOR`` slower than torch's own where that was a candidate. A candidate that beat
-  torch's own is first **verified**: the slot explores again between the two only, in
-  ``VERIFY_ROUNDS`` passes of ``VERIFY_BLOCK`` calls each (the first ``VERIFY_SKIP`` of a block
-  not counted; torch's own first, so within ``PRIOR`` it stays), and keeps the winner of that
+  the **peer** (torch's own where it is a candidate, else the static choice: the shm collective on
+  one host's shared memory) is first **verified**: the slot explores again between the two only,
+  in ``VERIFY_ROUNDS`` passes of ``VERIFY_BLOCK`` calls each (the first ``VERIFY_SKIP`` of a block
+  not counted; the peer first, so within ``PRIOR`` it stays), and keeps the winner of that
   pass. A candidate some member has no time for (an async call still in flight) is left out.
   Group rank 0 writes the choice to the calibration cache (``select.cache_path``), keyed by
   transport, group shape and host fingerprint; the next run's first call loads group rank 0's
   table (one exchange per group) and keeps those choices without exploring.
-* **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice over torch's own
-  (where that was a candidate), then after twice as many calls each time it holds, up to every
-  ``CHECK_EVERY`` calls (every ``CHECK_EVERY`` for any other choice), the members time the last
-  ``RECENT`` of them and exchange their ``typical`` time. Such a choice on probation **races**
-  torch's own first: ``VERIFY_SKIP`` + ``RECENT`` calls of torch's own, back to back, the last
-  ``RECENT`` timed, so both are measured in the same spell of the host. If the choice's mean is
-  slower than torch's own just ran (or, without those times, than it was measured), by more than
-  ``PRIOR``, the slot **falls back**: torch's own is kept and the choice leaves the slot's
-  candidates (it lost back to back). Otherwise, if the mean strays from the agreed time by more
-  than ``DRIFT`` above the agreed time (a link that slowed, a cached choice from a quieter machine,
-  or a choice whose exploring calls ran faster than it runs back to back), the slot explores
-  again. A choice running faster than agreed only lowers its agreed time: its exploring blocks,
-  each after another algorithm's calls, read slower than its calls back to back, and the others
-  were measured slower still.
+* **keep**: the choice runs; ``CHECK_FIRST`` calls after a measured choice over the peer, then
+  after twice as many calls each time it holds, up to every ``CHECK_EVERY`` calls (every
+  ``CHECK_EVERY`` for any other choice), the members time the last ``RECENT`` of them and
+  exchange their ``typical`` time. Such a choice on probation **races** the peer first:
+  ``VERIFY_SKIP`` + ``RECENT`` calls of the peer, back to back, the last ``RECENT`` timed, so both
+  are measured in the same spell of the host. If the choice's mean is slower than the peer just
+  ran (or, without those times, than it was measured), by more than ``PRIOR``, the slot **falls
+  back**: the peer is kept and the choice leaves the slot's
+  candidates (it lost back to back). Otherwise, if the mean exceeds both the agreed time by more
+  than ``DRIFT`` and the next best candidate's agreed time, at two checks in a row (the second
+  ``CHECK_FIRST`` calls after the first, so a spell of the host does not count: a link that slowed,
+  a cached choice from a quieter machine, or a choice whose exploring calls ran faster than it runs
+  back to back), the slot explores again. A choice running faster than agreed only lowers its
+  agreed time: its exploring blocks, each after another algorithm's calls, read slower than its
+  calls back to back, and the others were measured slower still.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -78,7 +80,7 @@ VERIFY_SKIP = 4  # ... whose first calls are not counted: after another algorith
 CHECK_EVERY = 1024  # calls of a kept choice between drift checks
 CHECK_FIRST = 64  # ... but the first check comes this soon after a measured choice
 RECENT = 16  # calls timed before each drift check
-DRIFT = 1.5  # a recent/agreed time ratio above this explores again
+DRIFT = 1.5  # a recent/agreed time ratio above this (and above the next best) explores again
 MAX_CANDIDATES = 4
 WARM = native_wait.ROUNDS * 2 * native_wait.BLOCK  # torch's own, untimed, before a slot's first exploration
 WARM_MAX_BYTES = 4 << 20  # where its wait mode matters (``native.polled`` looks longest below it)
@@ -118,10 +120,12 @@ class Slot:
     """One (op, dtype, size bucket)'s state on one member; see the module docstring."""
 
     __slots__ = ("candidates", "calls", "times", "choice", "agreed", "source", "kept_at", "recent", "probes",
-                 "period", "all_candidates", "warm", "race")
+                 "period", "all_candidates", "warm", "race", "slowed", "peer")
 
     def __init__(self, candidates: list[str], warm: int = 0) -> None:
         self.candidates = candidates
+        # what auto must not lose to: torch's own where it is a candidate, else the static choice
+        self.peer = "native" if "native" in candidates else candidates[0]
         self.warm = warm  # untimed calls of torch's own before the first exploration (module docstring)
         self.calls = 0
         self.times: dict[str, list[float]] = {c: [] for c in candidates}
@@ -134,19 +138,20 @@ class Slot:
         self.probes = 0  # times explored (re-probes after drift count)
         self.period = CHECK_EVERY  # calls from ``kept_at`` to the next drift check
         self.all_candidates: list[str] | None = None  # set while a win over native is verified
+        self.slowed = False  # the last drift check found it slower than DRIFT allows (confirmed next)
 
     def keep(self, choice: str, agreed: dict[str, float], source: str) -> None:
         """Keep ``choice`` from the call after this one on (checked soon if just measured against
-        torch's own and chosen over it: exploring calls of meshtrain's algorithms can run faster
+        the peer and chosen over it: exploring calls of meshtrain's algorithms can run faster
         than the same calls back to back)."""
         self.choice, self.agreed, self.source = choice, agreed, source
-        self.kept_at, self.recent, self.race = self.calls, [], []
+        self.kept_at, self.recent, self.race, self.slowed = self.calls, [], [], False
         self.period = CHECK_FIRST if self.on_probation() else CHECK_EVERY
 
     def on_probation(self) -> bool:
-        """True while the kept choice is a measured win over torch's own: each of its checks races
-        it against torch's own, back to back (``Tuner.pick``)."""
-        return self.source == "measured" and self.choice != "native" and "native" in self.agreed
+        """True while the kept choice is a measured win over the peer (torch's own, else the static
+        choice): each of its checks races it against the peer, back to back (``Tuner.pick``)."""
+        return self.source == "measured" and self.choice != self.peer and self.peer in self.agreed
 
     def explore(self) -> None:
         """Start exploring again (after a drift)."""
@@ -159,12 +164,12 @@ class Slot:
             self.candidates, self.all_candidates = self.all_candidates, None
 
     def verify(self, winner: str) -> None:
-        """Explore again between torch's own and ``winner`` only (see ``Tuner._decide``)."""
-        self.all_candidates, self.candidates = self.candidates, ["native", winner]
+        """Explore again between the peer and ``winner`` only (see ``Tuner._decide``)."""
+        self.all_candidates, self.candidates = self.candidates, [self.peer, winner]
         self._restart()
 
     def _restart(self) -> None:
-        self.choice, self.calls, self.kept_at, self.recent, self.race = None, 0, 0, [], []
+        self.choice, self.calls, self.kept_at, self.recent, self.race, self.slowed = None, 0, 0, [], [], False
         self.times = {c: [] for c in self.candidates}
 
 
@@ -205,13 +210,13 @@ class Tuner:
                 self._pending.v = (slot, algo, n % block >= skip)
                 return algo
             self._decide(key, slot)
-            if slot.choice is None:  # a win over torch's own is being verified: its first call
+            if slot.choice is None:  # a win over the peer is being verified: its first call
                 return self.pick(op, nbytes, dtype, candidates)
         elif slot.calls - slot.kept_at > slot.period:
             n = slot.calls - slot.kept_at - slot.period - 1
-            if slot.on_probation() and n < VERIFY_SKIP + RECENT:  # the race: torch's own, back to back
-                self._pending.v = (slot, "native", n >= VERIFY_SKIP)
-                return "native"
+            if slot.on_probation() and n < VERIFY_SKIP + RECENT:  # the race: the peer, back to back
+                self._pending.v = (slot, slot.peer, n >= VERIFY_SKIP)
+                return slot.peer
             self._check_drift(key, slot)
             if slot.choice is None:  # drifted: explore again from this call
                 return self.pick(op, nbytes, dtype, candidates)
@@ -236,7 +241,7 @@ class Tuner:
             slot.times[algo].append(seconds)
         elif algo == slot.choice:
             slot.recent.append(seconds)
-        elif algo == "native":
+        elif algo == slot.peer:
             slot.race.append(seconds)
 
     # -- agreement -----------------------------------------------------------------------------
@@ -282,11 +287,12 @@ class Tuner:
             if keeper in agreed and agreed[keeper] <= agreed[choice] * (1 + PRIOR):
                 choice = keeper  # a win inside the noise does not overturn it
                 break
-        if choice != "native" and "native" in agreed and slot.all_candidates is None:
-            # A win over torch's own is measured twice before it is kept: on a crowded host a
-            # candidate's exploring calls can draw a fast spell (docs/benchmarks.md, session 23), and
-            # a second, separate pass of the two (torch's own first, so within PRIOR it stays) has
-            # to agree.
+        if choice != slot.peer and slot.peer in agreed and slot.all_candidates is None:
+            # A win over the peer (torch's own, else the static choice) is measured twice before it
+            # is kept: on a crowded host a candidate's exploring calls can draw a fast spell
+            # (docs/benchmarks.md, session 23; on shm, recursive doubling kept over the shm
+            # collective at 4 KB, session 36), and a second, separate pass of the two (the peer
+            # first, so within PRIOR it stays) has to agree.
             slot.verify(choice)
             return
         slot.verified()
@@ -301,8 +307,8 @@ class Tuner:
 
     def _check_drift(self, key: tuple, slot: Slot) -> None:
         mine = typical(slot.recent) if slot.recent else None
-        # A measured choice over torch's own stays on probation: each check races it against torch's
-        # own (the calls just before, ``pick``), and it is checked again after twice as many calls
+        # A measured choice over the peer stays on probation: each check races it against the peer
+        # (the calls just before, ``pick``), and it is checked again after twice as many calls
         # each time it holds, up to CHECK_EVERY (see ``_fall_back``).
         probation = slot.on_probation()
         if probation:
@@ -319,33 +325,42 @@ class Tuner:
                 slot.agreed[slot.choice or ""] = sum(posts) / len(posts)
             return
         recent = sum(posts) / len(posts)
-        if probation:  # torch's own as it ran just now, or else as it was measured
-            native = sum(raced) / len(raced) if all(r is not None for r in raced) else slot.agreed["native"]
-            if recent > native * (1 + PRIOR):
-                self._fall_back(key, slot, recent, native)
+        if probation:  # the peer as it ran just now, or else as it was measured
+            peer = sum(raced) / len(raced) if all(r is not None for r in raced) else slot.agreed[slot.peer]
+            if recent > peer * (1 + PRIOR):
+                self._fall_back(key, slot, recent, peer)
                 return
-        if recent < base:
-            # Faster than agreed: the choice's time is lowered, nothing explores. The others were
-            # measured slower than its old time, and a choice's exploring blocks (each after another
-            # algorithm's calls) ran 2-4x its time back to back: the shm collective at 4 KB read
-            # 95-180 us while exploring, 43-50 back to back, so every check explored again, ~50
-            # calls of slower candidates each 1,024 (docs/benchmarks.md, session 36). A slowdown (a
-            # slowed link, a busier host) still re-probes.
-            slot.agreed[slot.choice or ""] = recent
-            return
-        if recent / base > DRIFT:
+        # the next best candidate's measured time (0: none measured, as in a cached entry without times)
+        runner_up = min((t for c, t in slot.agreed.items() if c != slot.choice and c in slot.candidates), default=0.0)
+        if recent <= base * DRIFT or recent <= runner_up:  # no slowdown that another could have beaten
+            slot.slowed = False
+            if recent < base:
+                # Faster than agreed: the choice's time is lowered, nothing explores. The others
+                # were measured slower than its old time, and a choice's exploring blocks (each
+                # after another algorithm's calls) ran 2-4x its time back to back: the shm
+                # collective at 4 KB read 95-180 us while exploring, 43-50 back to back, so every
+                # check explored again, ~50 calls of slower candidates each 1,024
+                # (docs/benchmarks.md, session 36).
+                slot.agreed[slot.choice or ""] = recent
+        elif slot.slowed:  # slowed at two checks in a row: explore again
             slot.explore()
+        else:
+            # A spell of the host can slow one window of RECENT calls 2-5x (shm at 64 KB: 74 us
+            # agreed, 145-373 us in one window, session 36), and exploring costs ~50 calls of
+            # slower candidates: a slowdown is confirmed CHECK_FIRST calls later first.
+            slot.slowed = True
+            slot.period = min(slot.period, CHECK_FIRST)
 
-    def _fall_back(self, key: tuple, slot: Slot, recent: float, native: float) -> None:
-        """The kept choice ran slower back to back than torch's own (``native`` seconds a call): keep
-        torch's own, and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm
+    def _fall_back(self, key: tuple, slot: Slot, recent: float, peer: float) -> None:
+        """The kept choice ran slower back to back than the peer (``peer`` seconds a call): keep the
+        peer, and drop the choice from the slot's candidates. On the 2-core VM a p2p algorithm
         won its blocks against torch's own in a slow spell (64 KB reduce-scatter: ring 0.6 ms a
         call, torch's own 1.9 ms), then ran 3.9 ms a call back to back for a thousand calls (torch's
         own: 0.4-0.8 ms), and exploring again after such a drift could keep it once more
         (docs/benchmarks.md, session 35)."""
         lost = slot.choice or ""
         slot.candidates = [c for c in slot.candidates if c != lost]
-        slot.keep("native", dict(slot.agreed, **{lost: recent, "native": native}), "fallback")
+        slot.keep(slot.peer, dict(slot.agreed, **{lost: recent, slot.peer: peer}), "fallback")
         self._save(key, slot)
 
     def explain(self) -> list[dict[str, Any]]:
