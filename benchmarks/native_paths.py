@@ -8,7 +8,9 @@ meshtrain's own algorithms, in interleaved rounds (docs/benchmarks.md, session 3
 Variants: ``torch`` (torch.distributed's op called directly: the peer), ``mc`` (meshtrain's native
 as configured: the wait mode learned, ``comm/algorithms/native_wait.py``), ``mc-look`` / ``mc-park``
 (the wait mode fixed), a ``-nocheck`` suffix (the metadata check off), or an algorithm name
-(``ring``, ``direct``, ...). Ranks are processes on the torch transport (gloo). Prints each
+(``ring``, ``direct``, ...); for reduce_scatter an ``-ownrs`` suffix runs gloo's own reduce-scatter
+behind meshtrain's native path, not its all-reduce staged in scratch (``dispatch.RS_OVER_ALL_REDUCE_MAX``
+set to 0). Ranks are processes on the torch transport (gloo). Prints each
 variant's median over the rounds of the slowest rank's mean time per call, torch's time over it,
 and the CPU time the calling thread spent a call (``time.thread_time``; gloo's own threads not
 counted): with the wait parked, that is the front end and the check alone.
@@ -35,18 +37,21 @@ def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     times, and the wait mode ``mc`` learned for the size."""
     import meshtrain.comm as mc
     from meshtrain.bench.comm import float32_inputs, mc_call, torch_call
-    from meshtrain.comm.algorithms import native_wait
+    from meshtrain.comm.algorithms import dispatch, native_wait
 
     torch.set_num_threads(1)
     p = mc.get_world_size()
     op = cfg["op"]
     inp, out, _ = float32_inputs(op, cfg["bytes"], p, rank)
     comm = mc.current()
+    staged_max = dispatch.RS_OVER_ALL_REDUCE_MAX
 
     def setup(variant: str) -> Any:
         name, _, rest = variant.partition("-")
         comm.check = "nocheck" not in rest
-        native_wait.set_mode((rest.replace("nocheck", "").strip("-") or "learn") if name == "mc" else "learn")
+        dispatch.RS_OVER_ALL_REDUCE_MAX = 0 if "ownrs" in rest else staged_max
+        mode = "-".join(w for w in rest.split("-") if w not in ("nocheck", "ownrs"))
+        native_wait.set_mode((mode or "learn") if name == "mc" else "learn")
         if name == "torch":
             return lambda: torch_call(op, inp, out)
         return lambda: mc_call(op, "native" if name == "mc" else name, inp, out, p)

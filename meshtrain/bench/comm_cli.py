@@ -229,7 +229,8 @@ def print_explain(where: str, rows: list[dict[str, Any]]) -> None:
     """``--explain``: per op and size range, auto's kept algorithm, how (and how often, where a
     drift explored again) it was chosen, and each candidate's time (the mean over ranks of each
     rank's mean but its slowest call, as agreed), or why there is none."""
-    print(f"# auto on the world, {where}: size -> algorithm kept (how), candidates' measured times")
+    print(f"# auto on the world, {where}: size -> algorithm kept (how), candidates' measured times "
+          "(the kept one's lowered where a check found it faster back to back)")
     if not rows:
         print("#   nothing learned: auto keeps its static choice here (ranks as threads, NCCL, "
               "MESHTRAIN_AUTO_TUNE=0, or no auto call)")
