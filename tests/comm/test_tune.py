@@ -49,10 +49,10 @@ def _own_cache(tmp_path, monkeypatch):
 
 def test_members_keep_one_choice_when_their_own_timings_disagree(monkeypatch):
     """Rank r's clock makes candidate r mod 3 fastest (the static choice on ranks 0 and 3), so a
-    member deciding from its own timings alone would differ from the others;
-    they must all keep the same one, the least mean over members, computed here from what each
-    recorded. (The static choice wins by a margin: a win over it would be verified in a second
-    pass, whose times would replace these.)"""
+    member deciding from its own timings alone would differ from the others; they must all keep the
+    same one, the least mean over members, computed here from what each recorded. (The static
+    choice wins by a margin: a win over it would be verified in a second pass, whose times would
+    replace these.)"""
     p = 4
     cands: dict[int, list[str]] = {}
 
@@ -318,8 +318,8 @@ def test_a_kept_win_over_native_slower_than_agreed_explores_only_once_slower_tha
 @pytest.mark.parametrize("choice,agreed", [("native", {"ring": 3.0, "native": 2.0}),
                                            ("direct", {"ring": 3.0, "direct": 2.0})])
 def test_a_choice_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(saved, choice, agreed):
-    """A kept choice (torch's own, or one of meshtrain's where torch's own was no candidate) running
-    faster than agreed, even beyond DRIFT, lowers its agreed time and nothing explores: its
+    """A kept choice not on probation (torch's own, or one of meshtrain's where torch's own has no
+    measured time) running faster than agreed, even beyond DRIFT, lowers its agreed time and nothing explores: its
     exploring blocks read slower than its calls back to back. Slower beyond DRIFT, but not slower
     than the next best candidate was measured, is kept; slower than both, twice in a row, explores."""
     t = tune.Tuner(_OneMember())
