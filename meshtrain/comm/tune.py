@@ -39,14 +39,14 @@ power-of-two size bucket, preferred algorithm) a *slot*:
   ``VERIFY_SKIP`` + ``RECENT`` calls of the peer, back to back, the last ``RECENT`` timed, so both
   are measured in the same spell of the host. If the choice's mean is slower than the peer just
   ran (or, without those times, than it was measured), by more than ``PRIOR``, the slot **falls
-  back**: the peer is kept and the choice leaves the slot's
-  candidates (it lost back to back). Otherwise, if the mean exceeds both the agreed time by more
-  than ``DRIFT`` and the next best candidate's agreed time, at two checks in a row (the second
-  ``CHECK_FIRST`` calls after the first, so a spell of the host does not count: a link that slowed,
-  a cached choice from a quieter machine, or a choice whose exploring calls ran faster than it runs
-  back to back), the slot explores again. A choice running faster than agreed only lowers its
-  agreed time: its exploring blocks, each after another algorithm's calls, read slower than its
-  calls back to back, and the others were measured slower still.
+  back**: the peer is kept and the choice leaves the slot's candidates (it lost back to back).
+  Otherwise, if the mean exceeds both the agreed time by more than ``DRIFT`` and the next best
+  candidate's agreed time, at two checks in a row (the second ``CHECK_FIRST`` calls after the
+  first, so a spell of the host does not count: a link that slowed, a cached choice from a quieter
+  machine, or a choice whose exploring calls ran faster than it runs back to back), the slot
+  explores again. A choice running faster than agreed only lowers its agreed time: its exploring
+  blocks, each after another algorithm's calls, read slower than its calls back to back, and the
+  others were measured slower still.
 
 Every candidate computes the collective correctly, so exploring calls return correct results;
 with more than two members their sums may differ in the last bits (another order of addition).
@@ -134,10 +134,10 @@ class Slot:
         self.source = "only candidate" if self.choice else "exploring"
         self.kept_at = 0
         self.recent: list[float] = []
-        self.race: list[float] = []  # torch's own timed beside a choice on probation (``on_probation``)
+        self.race: list[float] = []  # the peer timed beside a choice on probation (``on_probation``)
         self.probes = 0  # times explored (re-probes after drift count)
         self.period = CHECK_EVERY  # calls from ``kept_at`` to the next drift check
-        self.all_candidates: list[str] | None = None  # set while a win over native is verified
+        self.all_candidates: list[str] | None = None  # set while a win over the peer is verified
         self.slowed = False  # the last drift check found it slower than DRIFT allows (confirmed next)
 
     def keep(self, choice: str, agreed: dict[str, float], source: str) -> None:

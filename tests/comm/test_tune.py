@@ -271,7 +271,7 @@ def _run_kept(t, slot, calls, seconds):
     return ran
 
 
-RACE = tune.VERIFY_SKIP + tune.RECENT  # torch's own calls that race a choice on probation at each check
+RACE = tune.VERIFY_SKIP + tune.RECENT  # the peer's calls that race a choice on probation at each check
 
 
 def test_a_kept_win_over_native_races_it_at_doubling_intervals_and_falls_back_when_it_loses(saved):
@@ -319,9 +319,10 @@ def test_a_kept_win_over_native_slower_than_agreed_explores_only_once_slower_tha
                                            ("direct", {"ring": 3.0, "direct": 2.0})])
 def test_a_choice_running_faster_than_agreed_lowers_its_time_and_a_slowdown_explores(saved, choice, agreed):
     """A kept choice not on probation (torch's own, or one of meshtrain's where torch's own has no
-    measured time) running faster than agreed, even beyond DRIFT, lowers its agreed time and nothing explores: its
-    exploring blocks read slower than its calls back to back. Slower beyond DRIFT, but not slower
-    than the next best candidate was measured, is kept; slower than both, twice in a row, explores."""
+    measured time) running faster than agreed, even beyond DRIFT, lowers its agreed time and nothing
+    explores: its exploring blocks read slower than its calls back to back. Slower beyond DRIFT, but
+    not slower than the next best candidate was measured, is kept; slower than both, twice in a row,
+    explores."""
     t = tune.Tuner(_OneMember())
     t.cached = {}
     slot = _kept(t, choice, agreed)
