@@ -12,6 +12,15 @@ dp_shard_in_ep, pp, cp, tp) and the views dp, dp_shard, dp_cp (dense gradients a
 it), dp_shard_cp (ZeRO's shards) and ep (the expert-parallel group, dp_shard_in_ep x cp). A layer
 that needs another set of axes (the experts' gradient group) adds it with ``add_views``.
 rank = ((dp * pp + pp_i) * cp + cp_i) * tp + tp_i, whatever ep is.
+
+One group carries one stream of calls. The training thread calls the computation's collectives
+(tp, cp, pp, the experts' all-to-all, statistics) in program order; data parallelism reduces
+gradients on a thread of its own, in bucket order, and ZeRO gathers and reduce-scatters from its
+hooks. Two streams on one group would interleave differently on different ranks (the all-to-all
+in backward and a bucket's all-reduce: a mismatch, a hang, or on NCCL garbage), so the views
+gradients are reduced over (``REDUCTION_VIEWS``, plus those ``add_views(..., reduction=...)``
+names) get groups of their own, ``reduction_group(name)``, even where their ranks are those of a
+computation group (torchtitan's DeviceMesh and Megatron's expert grid do the same).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 from . import comm
 from .comm import Communicator, Group
-from .config.dims import AXES, DIMS, VIEWS, axis_sizes, check_degrees, positive_int
+from .config.dims import AXES, DIMS, REDUCTION_VIEWS, VIEWS, axis_sizes, check_degrees, positive_int
 from .errors import ConfigError
 
 TRAINING_AXES = tuple(AXES)
@@ -96,12 +105,13 @@ class Mesh:
         degrees = check_degrees({"dp": dp, "pp": pp, "cp": cp, "tp": tp, **carved}, c.world_size)
         self.degrees: dict[str, int] = degrees
         """The degrees the training mesh was built from (every one of ``config.dims.DEGREES``)."""
-        self._setup(c, axis_sizes(degrees), TRAINING_VIEWS, DIMS)
+        self._setup(c, axis_sizes(degrees), TRAINING_VIEWS, DIMS, REDUCTION_VIEWS)
 
     @classmethod
     def of(cls, axes: Mapping[str, int], views: Mapping[str, Sequence[str]] | None = None,
-           communicator: Communicator | None = None) -> "Mesh":
-        """A mesh of any named axes (slowest first) and views (each a set of those axes, in mesh order)."""
+           communicator: Communicator | None = None, reduction: Sequence[str] = ()) -> "Mesh":
+        """A mesh of any named axes (slowest first) and views (each a set of those axes, in mesh
+        order); ``reduction`` names the axes and views that also get a reduction group."""
         c = communicator or comm.current()
         if not axes or not all(positive_int(v) for v in axes.values()):
             raise ConfigError(f"mesh axes must be positive integers, got {dict(axes)!r}")
@@ -112,11 +122,11 @@ class Mesh:
             _check_view(name, tuple(run), list(axes), {})
         mesh = cls.__new__(cls)
         mesh.degrees = {}
-        mesh._setup(c, dict(axes), {k: tuple(v) for k, v in (views or {}).items()}, tuple(axes))
+        mesh._setup(c, dict(axes), {k: tuple(v) for k, v in (views or {}).items()}, tuple(axes), tuple(reduction))
         return mesh
 
     def _setup(self, c: Communicator, sizes: dict[str, int], views: dict[str, tuple[str, ...]],
-               dims: tuple[str, ...]) -> None:
+               dims: tuple[str, ...], reduction: tuple[str, ...]) -> None:
         self.comm = c
         self.world_size, self.rank = c.world_size, c.rank
         self.axes: dict[str, int] = sizes
@@ -126,19 +136,29 @@ class Mesh:
         self.dims = dims
         self.coords = self.coords_of(self.rank)
         self._groups: dict[str, Group] = {}
-        self._built: dict[tuple[str, ...], Group] = {}
-        # fastest axis first, then the views: the order every rank creates groups in
+        self._reduction: dict[str, Group] = {}
+        self._built: dict[tuple[bool, tuple[str, ...]], Group] = {}
+        # fastest axis first, then the views, then the reduction's: the order every rank creates groups in
         for name, run in [(a, (a,)) for a in reversed(list(sizes))] + list(views.items()):
             self._group_for(name, run)
+        self._add_reduction(reduction)
 
-    def _group_for(self, name: str, run: tuple[str, ...]) -> None:
-        key = tuple(a for a in run if self.axes[a] > 1)
+    def _group_for(self, name: str, run: tuple[str, ...], reduction: bool = False) -> None:
+        # groups of one stream are shared where their ranks are (dp, dp_cp and dp_shard_cp are one
+        # group when cp = dp_replicate = 1); the two streams never share one
+        key = (reduction, tuple(a for a in run if self.axes[a] > 1))
         if key not in self._built:
             self._built[key] = self._build(run)
-        self._groups[name] = self._built[key]
+        (self._reduction if reduction else self._groups)[name] = self._built[key]
 
-    def add_views(self, views: Mapping[str, Sequence[str]]) -> None:
-        """Add named sets of axes (each in mesh order) and their groups. Collective over the world:
+    def _add_reduction(self, names: Sequence[str]) -> None:
+        for name in names:
+            if name not in self._reduction:
+                self._group_for(name, self._run(name), reduction=True)
+
+    def add_views(self, views: Mapping[str, Sequence[str]], reduction: Sequence[str] = ()) -> None:
+        """Add named sets of axes (each in mesh order) and their groups, and reduction groups for
+        the axes and views ``reduction`` names (``reduction_group``). Collective over the world:
         every rank must add the same views in the same order (a view already there with the same
         axes is kept)."""
         for name, run in views.items():
@@ -147,6 +167,7 @@ class Mesh:
             if name not in self.views:
                 self.views[name] = run
                 self._group_for(name, run)
+        self._add_reduction(reduction)
         self.coords = self.coords_of(self.rank)
 
     # -- sizes and coordinates ---------------------------------------------------------------------
@@ -238,6 +259,16 @@ class Mesh:
         if name not in self._groups:
             raise ValueError(f"unknown mesh axis {name!r}: use one of {sorted(self._groups)}")
         return self._groups[name]
+
+    def reduction_group(self, name: str) -> Group:
+        """This rank's group along an axis or view for gradient reduction alone (data parallelism,
+        ZeRO): the same ranks as ``group(name)`` but a group of its own, so that the reduction's
+        calls never interleave with the computation's (module docstring). The training mesh has
+        one for each of ``REDUCTION_VIEWS``; ``add_views(..., reduction=...)`` adds others."""
+        if name not in self._reduction:
+            raise ValueError(f"no reduction group for mesh axis or view {name!r}: the mesh has them for "
+                             f"{sorted(self._reduction)}; add one with Mesh.add_views(..., reduction=[{name!r}])")
+        return self._reduction[name]
 
     def is_first_replica(self, distinct: Sequence[str]) -> bool:
         """Whether this rank is coordinate 0 on every axis other than ``distinct`` (the axes along

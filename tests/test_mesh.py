@@ -122,17 +122,45 @@ def test_dp_as_replicas_times_shards():
 
 def test_views_of_one_set_of_ranks_share_a_group_and_no_extra_groups_are_made():
     """With dp_replicate = 1, dp_shard / dp and dp_cp / dp_shard_cp are the same ranks: one group
-    each, so the named axes create no more groups than the four fixed axes did."""
+    each, so the named axes create no more groups than the four fixed axes did, plus the
+    reduction's own dp x cp group (shared by dp_cp and dp_shard_cp, never by the computation)."""
     def fn(rank):
         before = len(comm.current().groups)
         mesh = Mesh(dp=2, cp=2)
         assert mesh.group("dp") is mesh.group("dp_shard")
         assert mesh.group("dp_cp") is mesh.group("dp_shard_cp")
         assert mesh.group("dp_replicate").size == 1
+        assert mesh.reduction_group("dp_cp") is mesh.reduction_group("dp_shard_cp")
+        assert mesh.reduction_group("dp_cp") is not mesh.group("dp_cp")
+        assert mesh.reduction_group("dp_cp").ranks == mesh.group("dp_cp").ranks
         return len(comm.current().groups) - before
 
-    # one dp group per cp coordinate (2), one cp group per dp coordinate (2), one dp x cp group (1)
-    assert comm.run_local(4, fn, timeout=30) == [5] * 4
+    # one dp group per cp coordinate (2), one cp group per dp coordinate (2), one dp x cp group (1),
+    # the reduction's dp x cp group (1)
+    assert comm.run_local(4, fn, timeout=30) == [6] * 4
+
+
+def test_the_reduction_never_shares_a_group_with_the_computation():
+    """dp2 x ep2 (the experts' all-to-all group holds the dp ranks) and tp2 x ep2 x dp2 (the
+    experts' gradient group holds the tp ranks): every reduction group is a group of its own, with
+    the ranks of the view it reduces over, and one that is not there is named with the fix."""
+    from meshtrain.parallel.expert import EXPERT_REDUCTION_VIEWS, add_expert_views
+
+    def fn(rank, dp, tp, ep):
+        mesh = Mesh(dp=dp, tp=tp, ep=ep)
+        add_expert_views(mesh)
+        compute = {id(mesh.group(n)) for n in list(mesh.axes) + list(mesh.views)}
+        for name in ("dp_replicate", "dp_cp", "dp_shard_cp", *EXPERT_REDUCTION_VIEWS):
+            g = mesh.reduction_group(name)
+            assert sorted(g.ranks) == sorted(mesh.group(name).ranks), name
+            assert g.size == 1 or id(g) not in compute, name
+        with pytest.raises(ValueError, match=r"add_views\(\.\.\., reduction=\['tp'\]\)"):
+            mesh.reduction_group("tp")
+        same = (lambda a, b: mesh.group(a).size > 1 and mesh.group(a).ranks == mesh.group(b).ranks)
+        return same("ep", "dp"), same("edp_tp", "tp")  # the layouts where a stream used to share a group
+
+    assert comm.run_local(2, fn, 2, 1, 2, timeout=30) == [(True, False)] * 2
+    assert comm.run_local(4, fn, 2, 2, 2, timeout=30) == [(True, True)] * 4
 
 
 def test_any_named_axes_and_views():

@@ -88,6 +88,12 @@ VIEWS: dict[str, tuple[str, ...]] = {
 rows of the batch), dp_cp (dense gradients are averaged over it), dp_shard_cp (ZeRO shards dense
 parameters over it), ep (experts are split over it)."""
 
+REDUCTION_VIEWS: tuple[str, ...] = ("dp_replicate", "dp_cp", "dp_shard_cp")
+"""The axes and views gradients are reduced over (data parallelism, ZeRO's shards, HSDP's
+replicas). The mesh builds each a second group for the reduction alone (``Mesh.reduction_group``),
+apart from the computation's even where the ranks are the same: the two streams of calls issue
+in orders of their own, and one group carries one stream."""
+
 DIMS = ("dp", "pp", "cp", "tp", "ep")
 """The degrees ``Mesh.shape`` reports (dp is dp_replicate x dp_shard)."""
 
@@ -179,5 +185,5 @@ def axis_sizes(degrees: Mapping[str, int]) -> dict[str, int]:
     return {axis: size(degrees) for axis, size in AXES.items()}
 
 
-__all__ = ["Degree", "DEGREES", "DEGREE_NAMES", "WORLD_DEGREES", "AXES", "VIEWS", "DIMS", "degrees_of",
+__all__ = ["Degree", "DEGREES", "DEGREE_NAMES", "WORLD_DEGREES", "AXES", "VIEWS", "REDUCTION_VIEWS", "DIMS", "degrees_of",
            "world_size_of", "check_degrees", "check_dp_replicate", "axis_sizes", "ep_in_dp", "positive_int"]

@@ -41,11 +41,16 @@ other tokens of a sequence (cp_tp) or of the batch (dp_cp_tp), and the experts' 
 its ZeRO shard group (edp_tp, edp_shard_tp)."""
 ROUTER_VIEW = "dp_cp_tp"
 EXPERT_VIEW = "edp_tp"
+EXPERT_REDUCTION_VIEWS = ("dp_cp_tp", "dp_shard_cp_tp", "edp_tp", "edp_shard_tp")
+"""The views the router's and the experts' gradients are reduced (ZeRO: sharded) over: each gets a
+reduction group of its own (``Mesh.reduction_group``), never the group the all-to-all or the
+statistics use, so that the buckets' reductions and backward's all-to-all cannot interleave."""
 
 
 def add_expert_views(mesh: Mesh) -> None:
-    """Add ``EXPERT_VIEWS`` to the mesh (collective: every rank, before any stage is built)."""
-    mesh.add_views(EXPERT_VIEWS)
+    """Add ``EXPERT_VIEWS`` and their reduction groups to the mesh (collective: every rank, before
+    any stage is built)."""
+    mesh.add_views(EXPERT_VIEWS, reduction=EXPERT_REDUCTION_VIEWS)
 
 
 @torch.compiler.disable

@@ -171,13 +171,14 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
             if config.precision != "fp32" else None
         # ZeRO shards over dp_shard x cp; with dp_replicate > 1 (HSDP) each shard is also averaged
         # over the replicas
-        return ZeroModel(model, config.zero_stage, mesh.group(ZERO_VIEW), units=list(model.layers.values()),
-                         mixed_precision=mp, replicate_group=mesh.group("dp_replicate"), view=ZERO_VIEW,
+        return ZeroModel(model, config.zero_stage, mesh.reduction_group(ZERO_VIEW), units=list(model.layers.values()),
+                         mixed_precision=mp, replicate_group=mesh.reduction_group("dp_replicate"), view=ZERO_VIEW,
                          reduce_groups=groups, offload=config.offload, bucket_cap_mb=config.bucket_cap_mb)
     if mesh.dp_cp.size > 1 or groups:
         # buffers are equal on every rank by construction (the routing bias is updated from
         # all-reduced counts): no broadcast before each forward
-        return DataParallel(model, mesh.dp_cp, bucket_cap_mb=config.bucket_cap_mb, broadcast_buffers=False,
+        return DataParallel(model, mesh.reduction_group("dp_cp"), bucket_cap_mb=config.bucket_cap_mb,
+                            broadcast_buffers=False,
                             reduce_groups=groups)
     return model
 
@@ -185,14 +186,15 @@ def parallelize(model: Llama, mesh: Mesh, config: ParallelConfig, seed: int = 0,
 def reduce_groups(mesh: Mesh, model: nn.Module, zero: bool) -> dict[str, ReduceGroup]:
     """The groups of the views parameters' placements name for their gradients (``grad_groups``):
     averaged over the view and scaled by its size over dp x cp; under ZeRO reduce-scattered over
-    the view without dp_replicate, whose ranks then hold replicas (HSDP)."""
+    the view without dp_replicate, whose ranks then hold replicas (HSDP). The mesh's reduction
+    groups, never the computation's (``Mesh.reduction_group``)."""
     out: dict[str, ReduceGroup] = {}
     shares = mesh.size("dp_cp")
     for view in sorted({placement_of(p).reduce for p in model.parameters()} - {None}):
         scale = mesh.size(view) / shares
         if zero:
             shard = mesh.name_of([a for a in mesh.views[view] if a != "dp_replicate"])
-            out[view] = ReduceGroup(mesh.group(shard), scale, mesh.group("dp_replicate"), shard)
+            out[view] = ReduceGroup(mesh.reduction_group(shard), scale, mesh.reduction_group("dp_replicate"), shard)
         else:
-            out[view] = ReduceGroup(mesh.group(view), scale, None, view)
+            out[view] = ReduceGroup(mesh.reduction_group(view), scale, None, view)
     return out

@@ -92,7 +92,7 @@ def _block(arch: Arch, degrees: tuple[int, int, int, int, int], sp: bool, zero3:
     block = next(iter(model.layers.values()))
     if zero3:  # the block is one ZeRO-3 unit: gathered before its forward and its backward, its
         # gradient reduce-scattered after (the replicas' all-reduce waits for the step: analytic)
-        block = ZeroModel(block, 3, mesh.group(ZERO_VIEW), units=[block])
+        block = ZeroModel(block, 3, mesh.reduction_group(ZERO_VIEW), units=[block])
     positions = cp_positions(seq, mesh.cp_group) if cp > 1 else torch.arange(seq)
     cos, sin = rotary_table(cfg.head_dim, positions, cfg.rope_theta)
     x = torch.randn(batch, seq // cp // (tp if sp else 1), arch.dim, requires_grad=True)

@@ -12,6 +12,7 @@ backward has run; saved-tensor hooks count the bytes each in-flight micro-batch 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -131,9 +132,12 @@ class PipelineEngine:
         except CollectiveError as exc:
             # name the pipeline's view of it: which stage waited for what, from whom
             me = self.rank_of_stage(stage + 1 if kind == _ACT else stage - 1)
-            raise type(exc)(f"pipeline stage {stage + 1 if kind == _ACT else stage - 1} (rank {me}) waited for "
-                            f"the {_KINDS[kind]} of micro-batch {mb} from stage {src_stage} (rank {src}), which "
-                            f"did not send it: {exc}") from exc
+            # a copy keeps the error's type and fields (PeerDied's ``missing``), with the message replaced
+            named = copy.copy(exc)
+            named.args = (f"pipeline stage {stage + 1 if kind == _ACT else stage - 1} (rank {me}) waited for "
+                          f"the {_KINDS[kind]} of micro-batch {mb} from stage {src_stage} (rank {src}), which "
+                          f"did not send it: {exc}",)
+            raise named from exc
         return out
 
     # -- the step --------------------------------------------------------------------------------
