@@ -108,3 +108,51 @@ def test_mismatched_or_missing_calls_across_hosts_are_named_on_every_rank():
             odd = int(case.split()[1])
             assert f"ranks [{odd}]:" in msg and "shapes=[[1032]]" in msg, f"rank {rank}, {case}: {msg}"
 
+
+
+def _two_threads(rank: int, rounds: int) -> list[bool]:
+    """The training thread's uneven all-to-alls on one group while another thread all-reduces on
+    a second group of the same ranks (data parallelism's buckets beside the experts' dispatch):
+    both check their metadata through the store at once."""
+    import threading
+
+    import meshtrain.comm as mc
+
+    c = mc.current()
+    a, b = c.new_group([0, 1, 2, 3]), c.new_group([0, 1, 2, 3])
+    sums: list[bool] = []
+    errors: list[BaseException] = []
+
+    def reduce() -> None:
+        try:
+            for _ in range(rounds):
+                t = torch.ones(1000)
+                mc.all_reduce(t, group=b)
+                sums.append(torch.equal(t, torch.full((1000,), 4.0)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the rank's thread
+            errors.append(exc)
+
+    th = threading.Thread(target=reduce)
+    th.start()
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for _ in range(rounds):
+        m = torch.randint(0, 3, (4, 4), generator=g)  # m[i][j]: rows rank i sends to rank j
+        sends, recvs = m[rank].tolist(), m[:, rank].tolist()
+        out = torch.empty(sum(recvs), 8)
+        mc.all_to_all_single(out, torch.full((sum(sends), 8), float(rank)), recvs, sends, group=a)
+        parts.append(torch.equal(out, torch.cat([torch.full((n, 8), float(i)) for i, n in enumerate(recvs)])))
+    th.join()
+    if errors:
+        raise errors[0]
+    return parts + sums
+
+
+def test_two_threads_check_calls_of_two_groups_through_the_store_at_once():
+    """A TCPStore client's blocking read holds its one socket: two threads' exchanges on one
+    connection waited behind each other on every rank (a hang until the timeout). Each thread has
+    a connection of its own."""
+    start = time.monotonic()
+    for ok in spawn(4, _two_threads, 30, timeout=90, comm_timeout=20, transport="auto", host_ids=HOSTS):
+        assert len(ok) == 60 and all(ok)
+    assert time.monotonic() - start < 60

@@ -90,15 +90,29 @@ class TorchTransport(Transport):
         self._pg = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.store = dist.PrefixStore("meshtrain", store)
+        self._store = dist.PrefixStore("meshtrain", store)
+        self._owner = threading.get_ident()
+        self._per_thread = threading.local()  # each thread's store connection and the timeout set on it
         self.backend = str(dist.get_backend(group))
         self._last_key: dict[str, str] = {}
         self._stale: list[str] = []  # keys whose deletion was deferred (``exchange(defer_delete=)``)
-        self._store_timeout: float | None = None
         # Entered around every blocking wait (gloo, the store): the shm transport that routes
         # other-host peers here sets it, to keep its own messages moving meanwhile.
         self.while_blocked: Callable[[], ContextManager[None]] = contextlib.nullcontext
         self.liveness: Any = None  # comm.init sets the heartbeat monitor (names why a peer is gone)
+
+    @property
+    def store(self) -> dist.Store:
+        """This thread's connection to the store (the creating thread's is the one it was given).
+        A TCPStore client has one socket, and a blocking read holds it: a data-parallel worker's
+        metadata exchange waited behind the training thread's exchange of another group, on
+        every rank at once, so both stayed blocked until the timeout (cross-host MoE with
+        buckets reduced during backward). A thread of its own is a connection of its own."""
+        s = getattr(self._per_thread, "store", None)
+        if s is None:
+            s = self._store if threading.get_ident() == self._owner else self._store.clone()
+            self._per_thread.store, self._per_thread.timeout = s, None
+        return s
 
     # The ProcessGroup's own send/recv: dist.isend's Python checks and logging wrappers cost
     # tens of microseconds per message, and an algorithm posts several messages per step.
@@ -123,10 +137,11 @@ class TorchTransport(Transport):
         (runner._native_checked_beside) deletes after its verdict, off the op's critical path."""
         own = f"x/{key}/{self.rank}"
         try:
-            if self._store_timeout != timeout:
-                set_store_timeout(self.store, timeout)
-                self._store_timeout = timeout
-            values = store_all_gather(self.store, f"x/{key}", self.rank, ranks, payload,
+            store = self.store
+            if self._per_thread.timeout != timeout:
+                set_store_timeout(store, timeout)
+                self._per_thread.timeout = timeout
+            values = store_all_gather(store, f"x/{key}", self.rank, ranks, payload,
                                       blocked=self.while_blocked)
             # Once everyone posted this key, everyone has finished reading the previous one.
             group_prefix = key.rsplit("/", 1)[0]
