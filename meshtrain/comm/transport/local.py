@@ -17,6 +17,7 @@ import torch
 
 from ...errors import CollectiveError, CollectiveMismatch
 from ..work import Work, completed_work
+from .. import shake
 from .base import PeerTimeout, Transport
 from .registry import Capabilities, Setup, TransportSpec, register
 
@@ -111,6 +112,8 @@ class LocalTransport(Transport):
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         self._check_peer(dst)
         self.world.check_abort()
+        if shake.ACTIVE is not None:  # a send posted late, as a descheduled thread's would be
+            shake.ACTIVE.pause(self.rank)
         no = self._send_no[(dst, tag)]
         self._send_no[(dst, tag)] = no + 1
         box = self.world.inboxes[dst]
