@@ -26,6 +26,12 @@ class CollectiveMismatch(CollectiveError):
     """Ranks called one collective with different operations, shapes or dtypes."""
 
 
+class CollectiveDeadlock(CollectiveError):
+    """Every live rank is blocked in a collective waiting for a call another blocked rank has not
+    reached (they called collectives in different orders); names each rank's call
+    (``meshtrain/comm/deadlock.py``)."""
+
+
 class CheckpointError(MeshtrainError):
     """A checkpoint is missing, corrupt, or does not fit the model being loaded."""
 

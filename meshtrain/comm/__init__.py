@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from ..errors import CollectiveDeadlock, CollectiveError, CollectiveMismatch, CollectiveTimeout
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, broadcast, reduce,
                           reduce_scatter, reduce_scatter_tensor)
 from .communicator import Communicator, Group, bind_process, current
@@ -25,6 +25,7 @@ from .compat import (GroupMember, P2POp, all_gather_object, batch_isend_irecv, b
                      get_process_group_ranks, group, init_process_group, is_available,
                      is_torchelastic_launched, monitored_barrier, new_subgroups, new_subgroups_by_enumeration,
                      scatter_object_list)
+from . import shake
 from .fusion import all_reduce_coalesced
 from .local_run import run_local
 from .p2p import irecv, isend, recv, send
@@ -39,7 +40,7 @@ __all__ = [
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "all_reduce_coalesced",
     "send", "recv", "isend", "irecv", "symmetric_empty", "stats", "reset_stats", "flight_recorder",
     "dump_flight_recorder", "calibrate", "describe", "ReduceOp", "Work", "Group", "Communicator",
-    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "CollectiveDeadlock",
     # torch.distributed's remaining names (compat.py)
     "is_available", "init_process_group", "destroy_process_group", "get_backend", "is_torchelastic_launched",
     "group", "GroupMember", "new_subgroups", "new_subgroups_by_enumeration", "get_process_group_ranks",
@@ -93,8 +94,10 @@ def init(transport: str = "torch", backend: str | None = None, timeout: float = 
         t.liveness = liveness  # the shm transport's waits raise PeerLost at once
         if getattr(t, "remote", None) is not None:
             t.remote.liveness = liveness
+        liveness.wait_state = comm.wait_state  # the beats also name a deadlock (comm/deadlock.py)
         liveness.start(comm.hosts)
         comm.liveness = liveness
+    shake.from_env()  # MESHTRAIN_SHAKE: timing perturbed on purpose, for tests (comm/shake.py)
     bind_process(comm)
     return comm
 

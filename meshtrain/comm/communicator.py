@@ -7,11 +7,28 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from .algorithms.base import BufferPool
+from .deadlock import WaitState
 from .monitor import Monitor
 from .transport.base import Transport, capabilities, on_shared_memory
 from .work import Work
 
 MAX_GROUPS = 1024  # group ids are packed into p2p tags
+
+
+class _GroupWork(Work):
+    """An async collective's handle: a thread blocked in its wait counts as its rank being blocked
+    for the deadlock check (comm/deadlock.py); a rank whose async calls are only in flight may
+    still be computing, and issue the calls its peers wait for."""
+
+    def __init__(self, description: str, monitor: Monitor) -> None:
+        super().__init__(description)
+        self._monitor = monitor
+
+    def _progress(self, timeout: float | None) -> bool:
+        if timeout == 0 or self._done.is_set():
+            return super()._progress(timeout)
+        with self._monitor.waiting():
+            return super()._progress(timeout)
 
 
 class Group:
@@ -85,7 +102,7 @@ class Group:
 
     def submit(self, fn: Callable[[], Any], description: str) -> Work:
         """Run ``fn`` on this group's worker thread, after every earlier async op of the group."""
-        work = Work(description)
+        work = _GroupWork(description, self.comm.monitor)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"meshtrain-g{self.gid}")
@@ -103,8 +120,9 @@ class Group:
     def drain(self) -> None:
         """Wait until every async op submitted on this group has finished (errors stay in their Work)."""
         last = self._last
-        if last is not None:
-            last._done.wait()
+        if last is not None and not last._done.is_set():
+            with self.comm.monitor.waiting():  # blocked, for the deadlock check
+                last._done.wait()
 
     def close(self) -> None:
         """Stop the worker thread and drop the check board."""
@@ -147,6 +165,11 @@ class Communicator:
         self._check_thread: ThreadPoolExecutor | None = None
         self._check_lock = threading.Lock()
 
+    def wait_state(self) -> WaitState:
+        """What this rank waits for now (``deadlock.WaitState``): its calls in flight, the calls it
+        has issued on each of its groups, the seconds since it last completed one."""
+        return self.monitor.wait_state({g.gid: g._seq for g in list(self.groups) if g.rank >= 0})
+
     def check_thread(self) -> ThreadPoolExecutor:
         """The thread that runs metadata checks beside native ops (``runner``), made on first use."""
         with self._check_lock:
@@ -184,6 +207,26 @@ class Communicator:
             self._check_thread.shutdown(wait=False, cancel_futures=True)
             self._check_thread = None
         self.transport.close()
+
+
+class _Helper(threading.local):
+    on = False  # a class default: a thread not marked is its rank's own
+
+
+_helper = _Helper()
+
+
+def mark_helper_thread() -> None:
+    """Mark the calling thread as a helper of its rank (data parallelism's bucket worker): a call
+    it is blocked in does not make the rank count as blocked for the deadlock check
+    (comm/deadlock.py), since the rank's own thread may be computing meanwhile and issue later
+    the very calls its peers wait for."""
+    _helper.on = True
+
+
+def on_helper_thread() -> bool:
+    """True on a thread ``mark_helper_thread`` marked."""
+    return _helper.on
 
 
 class _ThreadComm(threading.local):

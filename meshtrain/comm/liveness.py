@@ -16,9 +16,17 @@ it with ``os._exit(EXIT_CODE)``, as NCCL's watchdog tears down a process whose c
 The heartbeat uses a connection of its own to the store, so a long blocking store read of the
 main thread never delays it.
 
+The beats also name a deadlock (``deadlock.py``): a rank blocked in a collective with no call
+completed for ``deadlock.stall_s()`` posts its ``WaitState`` after its beat (``<beat> <json>``), and
+each round every rank runs ``deadlock.find`` on its own state and the peers' posted ones. A rank
+that finds a cycle posts the message (``deadlock: ...``) in its key, the others adopt and post it
+too, and once every live rank has, all stop as on a loss, with ``CollectiveDeadlock`` naming each
+rank's call.
+
 Cost: one ``add`` and one ``multi_get`` of ``world_size`` keys per rank per period (see
-docs/comm.md); ``MESHTRAIN_HEARTBEAT_S`` / ``MESHTRAIN_LOST_AFTER_S`` change the period and the
-staleness bound, ``MESHTRAIN_HEARTBEAT=0`` turns the monitor off.
+docs/comm.md); the states ride them only while a rank is stalled. ``MESHTRAIN_HEARTBEAT_S`` /
+``MESHTRAIN_LOST_AFTER_S`` change the period and the staleness bound, ``MESHTRAIN_HEARTBEAT=0``
+turns the monitor off (and the deadlock check with it).
 """
 
 from __future__ import annotations
@@ -30,13 +38,14 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ..errors import CollectiveError
+from ..errors import CollectiveDeadlock, CollectiveError
+from . import deadlock
 
 PERIOD_S = float(os.environ.get("MESHTRAIN_HEARTBEAT_S", "1.0"))
 STALE_S = float(os.environ.get("MESHTRAIN_LOST_AFTER_S", "4.0"))
 GRACE_S = 1.0
 EXIT_CODE = 75  # EX_TEMPFAIL: this rank is healthy, another is gone; the agent may restart the job
-_DONE, _FAILED = b"done", b"failed:"
+_DONE, _FAILED, _DEADLOCK = b"done", b"failed:", b"deadlock: "  # a deadlock's value is its message
 
 
 def naming_bound() -> float:
@@ -83,12 +92,14 @@ class LivenessMonitor:
         self.period, self.stale, self.grace = period, stale, grace
         self.exit_process = exit_process
         self.hosts: list[str] = ["?"] * world_size
-        self.lost: PeerLost | None = None
+        self.lost: CollectiveError | None = None  # a PeerLost, or the CollectiveDeadlock found
+        # This rank's deadlock.WaitState (Communicator.wait_state), set once the communicator exists.
+        self.wait_state: Callable[[], deadlock.WaitState] | None = None
         self.failures: dict[int, str] = {}  # rank -> what it reported (failed: ...) or "lost"
         self._store: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._listeners: list[Callable[[PeerLost], None]] = []
+        self._listeners: list[Callable[[CollectiveError], None]] = []
 
     def _key(self, r: int) -> str:
         return f"{self.prefix}/hb/{r}"
@@ -106,8 +117,9 @@ class LivenessMonitor:
         self._thread = threading.Thread(target=self._run, name=f"meshtrain-heartbeat-r{self.rank}", daemon=True)
         self._thread.start()
 
-    def add_listener(self, fn: Callable[[PeerLost], None]) -> None:
-        """Call ``fn(error)`` on the heartbeat thread when a loss is found (before the grace)."""
+    def add_listener(self, fn: Callable[[CollectiveError], None]) -> None:
+        """Call ``fn(error)`` on the heartbeat thread when a loss (``PeerLost``) or a deadlock
+        (``CollectiveDeadlock``) is found, before the grace."""
         self._listeners.append(fn)
 
     def stop(self, failure: str | None = None) -> None:
@@ -135,7 +147,8 @@ class LivenessMonitor:
         return str(self.lost) if self.lost is not None else None
 
     def raise_if_lost(self) -> None:
-        """Raise ``PeerLost`` if a loss was found (called by waits that can be interrupted)."""
+        """Raise ``PeerLost`` (or ``CollectiveDeadlock``) if a loss (a deadlock) was found; called
+        by waits that can be interrupted."""
         if self.lost is not None:
             raise self.lost
 
@@ -146,9 +159,13 @@ class LivenessMonitor:
         moved_at: dict[int, float] = {}
         beat = 1
         while not self._stop.wait(self.period):
+            beat += 1
+            stall = deadlock.stall_s()
+            mine = self._own_state(stall)
+            stalled = mine is not None and mine.stalled(stall)
             try:
-                beat += 1
-                self._store.set(keys[self.rank], str(beat))
+                # the state rides the beat only while stalled: a job that completes calls pays nothing
+                self._store.set(keys[self.rank], f"{beat} {mine.encode()}" if stalled else str(beat))
                 values = self._store.multi_get(keys)
             except Exception as exc:  # noqa: BLE001 - the store's host is gone (or unreachable)
                 if self._stop.is_set() or seen.get(0) == _DONE:
@@ -162,7 +179,7 @@ class LivenessMonitor:
             now = time.monotonic()
             failed, lost = [], []
             for r, v in enumerate(values):
-                if r == self.rank or v == _DONE:
+                if r == self.rank or v == _DONE or v.startswith(_DEADLOCK):  # (a deadlock: adopted below)
                     continue
                 if v.startswith(_FAILED):
                     failed.append((r, v[len(_FAILED):].decode(errors="replace")))
@@ -185,14 +202,73 @@ class LivenessMonitor:
                 self._lose(f"rank(s) {lost} ({self._where(lost)}) lost: no heartbeat for {self.stale:g}s "
                            f"(killed, crashed, or their host died)", lost)
                 return
+            found = self._deadlock(values, mine if stalled else None, stall)
+            if found is not None:
+                self._agree(keys, found)
+                self._end(CollectiveDeadlock(found), "a deadlock")
+                return
 
     def _where(self, ranks: Sequence[int]) -> str:
         hosts = sorted({_short_host(self.hosts[r]) for r in ranks})
         return ("host " if len(hosts) == 1 else "hosts ") + ", ".join(hosts)
 
+    def _own_state(self, stall: float) -> deadlock.WaitState | None:
+        """This rank's wait state (None without a communicator, with the check off, or if reading
+        it failed: the heartbeat must go on whatever the check does)."""
+        if self.wait_state is None or stall <= 0:
+            return None
+        try:
+            return self.wait_state()
+        except Exception:  # noqa: BLE001 - a group made while reading; the next round reads again
+            return None
+
+    def _deadlock(self, values: Sequence[bytes], mine: deadlock.WaitState | None, stall: float) -> str | None:
+        """The deadlock message a peer posted, or the one ``deadlock.find`` names from this rank's
+        stalled state ``mine`` and the peers' posted ones; None otherwise."""
+        for v in values:
+            if v.startswith(_DEADLOCK):
+                return v.decode(errors="replace")
+        if mine is None:
+            return None
+        states: list[deadlock.WaitState | None] = []
+        for r, v in enumerate(values):
+            if r == self.rank or v == _DONE:  # a finished rank is not live
+                states.append(mine if r == self.rank else None)
+                continue
+            _, _, text = v.partition(b" ")
+            if not text:
+                return None  # a live rank that is not stalled (or has posted no state yet)
+            try:
+                states.append(deadlock.WaitState.decode(text.decode()))
+            except (ValueError, KeyError, TypeError):
+                return None
+        return deadlock.find(states, stall)
+
+    def _agree(self, keys: Sequence[str], message: str) -> None:
+        """Post ``message`` (a deadlock found here or adopted from a peer), then wait until every
+        live rank has posted one, at most two periods and a second. Each rank reads the others'
+        states at its own moment, so one may find the cycle a round before another; a rank that
+        raised at once could end its process before a peer looked, and that peer's wait would
+        name a dead peer (``PeerDied``) instead of the calls."""
+        deadline = time.monotonic() + 2 * self.period + 1.0
+        try:
+            self._store.set(keys[self.rank], message.encode())  # (deadlock.find's begins with _DEADLOCK)
+            while time.monotonic() < deadline:
+                values = self._store.multi_get(list(keys))
+                if all(v == _DONE or v.startswith((_DEADLOCK, _FAILED)) for v in values):
+                    return
+                if self._stop.wait(min(0.05, self.period)):
+                    return
+        except Exception:  # noqa: BLE001 - the store is gone: stop now, the peers see this rank end
+            return
+
     def _lose(self, what: str, missing: list[int]) -> None:
-        err = PeerLost(f"{what}. Rank {self.rank} stops: the job cannot go on without every rank; see the lost "
-                       f"ranks' logs, then restart (resuming from the last checkpoint)", missing)
+        self._end(PeerLost(f"{what}. Rank {self.rank} stops: the job cannot go on without every rank; see the lost "
+                           f"ranks' logs, then restart (resuming from the last checkpoint)", missing), "a lost peer")
+
+    def _end(self, err: CollectiveError, cause: str) -> None:
+        """Stop this rank for ``err``: print it, make interruptible waits raise it, tell the
+        listeners, and exit the process if it still runs after the grace."""
         self.lost = err
         print(f"meshtrain: [rank {self.rank}] {err}", file=sys.stderr, flush=True)
         for fn in self._listeners:
@@ -202,7 +278,7 @@ class LivenessMonitor:
                 pass
         if self.exit_process and not self._stop.wait(self.grace):
             # Still running: the main thread is blocked where Python cannot interrupt it (gloo).
-            print(f"meshtrain: [rank {self.rank}] exiting (code {EXIT_CODE}) after a lost peer", file=sys.stderr,
+            print(f"meshtrain: [rank {self.rank}] exiting (code {EXIT_CODE}) after {cause}", file=sys.stderr,
                   flush=True)
             os._exit(EXIT_CODE)
 

@@ -7,7 +7,10 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from .deadlock import Call, WaitState
 
 
 class Monitor:
@@ -19,14 +22,20 @@ class Monitor:
         self._recent: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._groups: dict[int, dict[str, Any]] = {}
         self._counters: dict[tuple[int, str], dict[str, Any]] = {}  # (group, op) -> its entry in _groups
+        # The deadlock check (comm/deadlock.py) reads the calls in flight and the last completion
+        # from the recorder's entries, once a second, so calls pay nothing for it; it counts the
+        # threads waiting for an async call here.
+        self._created = time.time()
+        self._waiters = 0
 
     def begin(self, gid: int, ranks: list[int], seq: int, op: str, algorithm: str,
-              shapes: Sequence[Sequence[int]], dtype: str, nbytes: int) -> dict[str, Any]:
-        """Record the start of a collective; returns the flight-recorder entry."""
+              shapes: Sequence[Sequence[int]], dtype: str, nbytes: int, sync: bool = True) -> dict[str, Any]:
+        """Record the start of a collective; returns the flight-recorder entry. ``sync``: the
+        caller's thread runs it (not an async op's worker), so this rank is blocked in it."""
         entry = {
             "rank": self.rank, "group": gid, "group_ranks": ranks, "seq": seq, "op": op,
             "algorithm": algorithm, "shapes": shapes, "dtype": dtype, "bytes": nbytes,
-            "start": time.time(), "end": None, "state": "started", "sent_bytes": 0,
+            "start": time.time(), "end": None, "state": "started", "sent_bytes": 0, "sync": sync,
         }
         self._recent.append(entry)  # deque.append is atomic: no lock on every call's way in
         return entry
@@ -48,6 +57,35 @@ class Monitor:
             c["sent_bytes"] += sent_bytes
             c["time_s"] += now - entry["start"]
             c["errors"] += error is not None
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the calling thread as blocked for the deadlock check while it waits for an async call."""
+        with self._lock:
+            self._waiters += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def wait_state(self, issued: dict[int, int]) -> WaitState:
+        """This rank's ``WaitState`` now; ``issued``: the calls issued per group it is a member of.
+        Read from the flight recorder: a call in flight that 256 (its capacity) later calls pushed
+        out is missed, which can only hide a cycle, never make one."""
+        while True:
+            try:  # another thread may begin a call while the entries are copied
+                recent = list(self._recent)
+                break
+            except RuntimeError:
+                continue
+        now = time.time()
+        inflight = [e for e in recent if e["end"] is None]
+        calls = tuple(Call(e["group"], tuple(e["group_ranks"]), e["seq"], e["op"], now - e["start"])
+                      for e in inflight)
+        ended = max((e["end"] for e in recent if e["end"] is not None), default=self._created)  # failed calls too
+        blocked = self._waiters > 0 or any(e["sync"] for e in inflight)
+        return WaitState(calls, dict(issued), now - ended, blocked)
 
     def stats(self) -> dict[int, dict[str, Any]]:
         """Counters per group id: {"ranks": [...], "ops": {op: {count, bytes, sent_bytes, time_s, errors}},

@@ -26,10 +26,10 @@ import time
 from typing import Any, Callable
 
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, MeshtrainError
-from . import check_board, liveness, tune
+from . import call_order, check_board, liveness, shake, tune
 from .algorithms import hierarchical, native, shm_direct
 from .algorithms.base import Ctx
-from .communicator import Group
+from .communicator import Group, on_helper_thread
 from .transport.base import FingerprintMismatch, PeerTimeout
 from .work import Work
 
@@ -129,24 +129,29 @@ def run(g: Group, name: str, meta: dict[str, Any], body: Callable[[Ctx], Any], a
         raise ValueError(
             f"rank {g.comm.rank} called {name} on group {g.gid} (ranks {g.ranks}) but is not a member"
         )
+    if shake.ACTIVE is not None:  # timing perturbed on purpose (tests): before the seq is taken
+        shake.ACTIVE.pause(g.comm.rank)
     seq = g.next_seq()
     meta["op"] = name  # the seq stays apart: call_fingerprint memoizes the rest
+    if call_order.RECORDING:
+        call_order.note(g, seq, name, meta)
     timed = g.tuner.take() if g.tuner else None  # auto is learning: time this call (comm/tune.py)
     if async_op:
-        return g.submit(lambda: _execute(g, name, seq, meta, body, nbytes, timed, pairwise, force_exchange),
+        return g.submit(lambda: _execute(g, name, seq, meta, body, nbytes, timed, pairwise, force_exchange, False),
                         f"{name} #{seq} on group {g.gid}")
     g.drain()
-    _execute(g, name, seq, meta, body, nbytes, timed, pairwise, force_exchange)
+    _execute(g, name, seq, meta, body, nbytes, timed, pairwise, force_exchange, not on_helper_thread())
     return None
 
 
 def _execute(g: Group, name: str, seq: int, meta: dict[str, Any], body: Callable[[Ctx], Any], nbytes: int,
-             timed: Any, pairwise: Any, force_exchange: bool) -> Any:
-    """``run``'s call itself, on the caller's thread or the group's worker: recorded, checked, timed."""
+             timed: Any, pairwise: Any, force_exchange: bool, sync: bool) -> Any:
+    """``run``'s call itself, on the caller's thread (``sync``) or the group's worker: recorded,
+    checked, timed."""
     comm = g.comm
     start = tune.now() if timed else 0.0
     entry = comm.monitor.begin(g.gid, g.ranks, seq, name, meta["algorithm"], meta["shapes"], meta["dtype"],
-                               nbytes)  # (call_meta's strings and tuples)
+                               nbytes, sync)  # (call_meta's strings and tuples)
     ctx = Ctx(comm.transport, g.ranks, g.rank, collective_tag(g.gid), time.monotonic() + g.timeout, g.pool,
               g.hosts)
     try:

@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import comm
 from ..comm import Group
+from ..comm.communicator import mark_helper_thread
 from ..comm.device import on_host
 from ..config.parallel import check_bucket_cap
 from .bucket_size import log_auto, resolve_bucket_cap
@@ -145,7 +146,9 @@ class DataParallel(nn.Module):
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(on_grad)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-dp")
+        # a helper of the rank: its blocked reductions do not make the rank count as blocked for
+        # the deadlock check (the training thread may be computing meanwhile)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-dp", initializer=mark_helper_thread)
         self._futures: list[Future] = []
         self._next = 0
         self._sync = True
@@ -234,8 +237,9 @@ class DataParallel(nn.Module):
                                          device=bs[0].buffer.device)
                     used.append((bs, flags))
                     self._futures.append(self._worker.submit(comm.all_reduce, flags, "max", g))
-            for f in self._futures:
-                f.result()
+            with self.group.comm.monitor.waiting():  # the training thread blocked on the reductions
+                for f in self._futures:
+                    f.result()
             for bs, flags in used:
                 seen = iter(flags.tolist())  # one host read, not one per parameter
                 for b in bs:
