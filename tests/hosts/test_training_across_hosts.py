@@ -34,6 +34,10 @@ LAYOUTS = {
     "pp2xdp2": (["--parallel.dp=2", "--parallel.tp=1", "--parallel.pp=2", "--parallel.microbatches=2"], True),
     "zero3-dp4": (["--parallel.dp=4", "--parallel.tp=1", "--parallel.zero_stage=3"], False),
     "cp2xdp2": (["--parallel.dp=2", "--parallel.tp=1", "--parallel.cp=2"], False),  # grads summed over dp x cp
+    # a mixture of experts whose all-to-all crosses the hosts (ep4 over 2 x 2 ranks), small buckets
+    # reduced on their own thread all through backward: 4-term sums
+    "moe-dp4-ep4": (["--model.preset=moe-test", "--parallel.dp=4", "--parallel.tp=1", "--parallel.ep=4",
+                     "--parallel.bucket_cap_mb=0.004"], False),
 }
 RANKS = 4
 
