@@ -225,7 +225,10 @@ def _run_checked(g: Group, name: str, seq: int, meta: dict[str, Any], body: Call
                                                g.timeout)
             _compare(name, seq, g, payloads)
             raise CollectiveMismatch(f"{name} #{seq} on group {g.gid}: the ranks' metadata fingerprints "
-                                     f"differ but their metadata does not (a bug; please report it)") from None
+                                     f"differ but the metadata they exchanged agrees. Calls of one group from two "
+                                     f"threads at once do this (they share its buffers, in another order on each "
+                                     f"rank): give each thread's calls a group of its own. Otherwise it is a bug: "
+                                     f"please report it") from None
         finally:
             if board is not None:
                 board.compared(seq)
