@@ -48,6 +48,30 @@ def test_backward_waits_name_the_gradient():
     assert "pipeline stage 0 (rank 0) waited for the gradient of micro-batch 0 from stage 1 (rank 1)" in msg
 
 
+def test_a_peer_death_keeps_its_type_and_ranks_when_the_pipeline_names_it(monkeypatch):
+    """An error with fields of its own (the shm transport's PeerDied names the dead ranks) comes
+    out of a pipeline receive as the same type, with its fields and the pipeline's words; it
+    used to end in a TypeError of the error path itself."""
+    from meshtrain.comm.transport.shm import PeerDied
+
+    def recv(*args, **kwargs):
+        raise PeerDied("rank 0 (pid 12) exited or was killed while rank 1 was waiting", [0])
+
+    monkeypatch.setattr("meshtrain.parallel.pipeline.engine.comm.recv", recv)
+
+    def fn(rank):
+        if rank == 0:
+            return None
+        with pytest.raises(PeerDied) as err:
+            _engine(rank, 2)._recv(0, 0, 0, 0)
+        return err.value
+
+    err = comm.run_local(2, fn, timeout=5)[1]
+    assert err.missing == [0]
+    assert str(err).startswith("pipeline stage 1 (rank 1) waited for the activation of micro-batch 0 from stage 0 "
+                               "(rank 0), which did not send it: rank 0 (pid 12) exited")
+
+
 def test_a_signature_skips_headers_and_refuses_a_shape_it_did_not_announce(monkeypatch):
     """With a signature, the second step's messages carry no header (fewer sends) and the
     receiver allocates from the first; a sender whose shape changed under the same signature
