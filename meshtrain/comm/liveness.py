@@ -264,7 +264,7 @@ class LivenessMonitor:
 
     def _lose(self, what: str, missing: list[int]) -> None:
         self._end(PeerLost(f"{what}. Rank {self.rank} stops: the job cannot go on without every rank; see the lost "
-                           f"ranks' logs, then restart (resuming from the last checkpoint)", missing), "a lost peer")
+                           f"ranks' logs, then restart the job", missing), "a lost peer")
 
     def _end(self, err: CollectiveError, cause: str) -> None:
         """Stop this rank for ``err``: print it, make interruptible waits raise it, tell the

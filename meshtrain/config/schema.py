@@ -220,10 +220,11 @@ class CheckpointSection:
 
     enabled: bool = True
     """Save checkpoints at all."""
-    every: int = 0
-    """Save every this many steps (0: only at the end of the run)."""
+    every: int = 100
+    """Save every this many steps, and at the end (0: only at the end). A SIGINT or SIGTERM saves the
+    step the ranks stop at whatever this is; this bounds what a crash or SIGKILL loses."""
     keep: int = 3
-    """Keep the last this many checkpoints; older ones are deleted."""
+    """Keep the last this many checkpoints; older ones are deleted once a newer one is committed."""
     dir: str = "checkpoints"
     """Directory of the checkpoints, relative to the run directory (out)."""
     async_save: bool = False
@@ -262,9 +263,9 @@ class ElasticSection:
 
     enabled: bool = False
     """When the ranks started differ from dp x tp x pp x cp, choose the layout for them (tp, pp, cp
-    kept, dp = ranks / (tp x pp x cp)) and resume from the last checkpoint instead of failing; on
-    SIGTERM every rank finishes its step, saves a checkpoint and exits with code 143. Needs
-    checkpoint.enabled; an empty checkpoint.resume becomes "auto"."""
+    kept, dp = ranks / (tp x pp x cp)) and resume from the last checkpoint instead of failing (on
+    SIGTERM every rank finishes its step, saves a checkpoint and exits with code 143, as every run
+    does). Needs checkpoint.enabled; an empty checkpoint.resume becomes "auto"."""
     keep_global_batch: bool = True
     """Keep train.global_batch whatever the world (each dp rank takes more or fewer rows: the same
     losses). false: each dp rank keeps global_batch / dp rows of the configured layout, and train.lr
@@ -300,12 +301,16 @@ class Config:
     out: str = ""
     """Run directory; "" means runs/<YYYYmmdd-HHMMSS>, fixed once by ``resolve_out`` (the
     launcher's job, so that every process writes to the same directory)."""
+    overwrite: bool = False
+    """Train into an out that holds a previous run (its config.toml, metrics.jsonl, summary.json or
+    checkpoints) without resuming it: its files are deleted first. false: such a folder is refused
+    unless checkpoint.resume continues it."""
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
                              if f.default_factory is not dataclasses.MISSING}
 """The sections by name, in file order."""
-TOP_LEVEL = ("out",)
+TOP_LEVEL = ("out", "overwrite")
 """The keys outside any section."""
 DEVICES = ("auto", "cpu", "cuda")
 """The values of ``train.device``."""

@@ -218,6 +218,9 @@ def commit_shards(root: str, tmp: str, final: str, meta: dict[str, Any], keep: i
 def commit_step_dir(root: str, tmp: str, final: str, meta: dict[str, Any], keep: int) -> None:
     """Commit the written shards in ``tmp`` as ``final``: metadata.json (the commit marker, last),
     rename, point ``latest`` at it, keep the newest ``keep`` checkpoints, drop crashed saves' temp dirs."""
+    from .run_dir import copy_tokenizer
+
+    copy_tokenizer(meta.get("extra"), tmp)  # the checkpoint carries its run's tokenizer (self-contained)
     write_durable(os.path.join(tmp, METADATA), json.dumps(meta, indent=1).encode())
     fsync_dir(tmp)
     old = final + ".replaced"

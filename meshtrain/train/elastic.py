@@ -13,20 +13,19 @@ so a run that shrank returns to the configured layout when its hosts come back.
 ``elastic_world.py`` times the changes (the ``world_change`` row's seconds, from the stop marks the
 old world leaves) and ``elastic_launch.py`` writes elastic Slurm and Kubernetes jobs.
 
-SIGTERM (what torchrun's agent sends its workers on a membership change) sets a flag; with elastic
-on, the ranks all-reduce it (MAX) at every step boundary, so all of them stop after the same step,
-save a checkpoint there and return a summary marked ``preempted`` (no rank raises, so none aborts
-its peers while they finish the save); the process then exits with ``EXIT_PREEMPTED``.
+SIGTERM (what torchrun's agent sends its workers on a membership change) sets a flag; the ranks
+all-reduce it (MAX) at every step boundary, so all of them stop after the same step, save a
+checkpoint there and return a summary marked ``preempted`` (no rank raises, so none aborts its
+peers while they finish the save); the process then exits with ``EXIT_PREEMPTED``. Every run does
+this, elastic or not, and on SIGINT too: ``interrupt.py`` sets the flag.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import signal
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -52,10 +51,10 @@ def preempted_summary(step: int, path: str, run_dir: str, steps: int) -> dict[st
 
 
 def preempted_message(summary: Mapping[str, Any]) -> str:
-    """The line a launcher prints for a ``preempted_summary`` before exiting with ``EXIT_PREEMPTED``."""
-    return (f"stopped on SIGTERM after step {summary['step']} of {summary['steps']}, checkpoint "
-            f"{summary['checkpoint']} saved; a restart resumes from it (checkpoint.resume = 'auto') with the "
-            f"layout chosen for the ranks it gets (exit code {EXIT_PREEMPTED})")
+    """The line a launcher prints for a ``preempted_summary`` of an elastic run (``interrupt.stopped_line``)."""
+    from .interrupt import stopped_line
+
+    return stopped_line(summary, elastic_run=True)
 
 
 def _divisors(n: int) -> list[int]:
@@ -259,20 +258,9 @@ def stop_requested() -> bool:
     return _STOP.is_set()
 
 
-@contextlib.contextmanager
-def sigterm_stops(enabled: bool = True) -> Iterator[None]:
-    """While inside: SIGTERM asks for a stop at the next step boundary instead of ending the
-    process. Only the main thread may set a handler; elsewhere (or not ``enabled``) it does nothing."""
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def clear_stop() -> None:
+    """Forget a stop request (a guard of ``interrupt.py`` starting or ending)."""
     _STOP.clear()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: request_stop())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        _STOP.clear()
 
 
 def call_interruptibly(fn: Callable[[], Any]) -> Any:
@@ -300,21 +288,34 @@ def agree_to_stop(requested: bool, device: torch.device | str = "cpu") -> bool:
     """Collective over the world: True on every rank if any rank asks to stop (an all-reduce MAX of
     one flag), so all ranks stop after the same step though a SIGTERM reaches them at different times.
     ``device``: the training device (an NCCL group moves only CUDA tensors)."""
-    return agree_at_boundary(requested, 0, device)[0]
+    return agree_at_boundary(requested, 0, device)[0] > 0
 
 
-def agree_at_boundary(requested: bool, done: int, device: torch.device | str = "cpu") -> tuple[bool, int]:
-    """``agree_to_stop``, and in the same all-reduce the smallest ``done`` over the ranks: the newest
-    step whose in-memory replicas every rank has finished keeping (``memory_replica``; -1 if a rank's
-    copy failed). One all-reduce MAX of [flag, -done]: no collective more than the stop flag's."""
+def stop_flag(requested: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The stop flag all-reduced (MAX) over the world, left on ``device`` unread: a run without
+    elastic brings it to the host in its step's one read (``step.measure_step``), so asking costs
+    no device sync. Collective; ``requested``: this rank's signal number, 0 if none."""
     from .. import comm
 
-    flag = torch.tensor([1.0 if requested else 0.0, -float(done)], dtype=torch.float64, device=device)
+    flag = torch.tensor([float(requested)], dtype=torch.float64, device=device)
     comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-    return bool(flag[0].item() > 0), int(-flag[1].item())
+    return flag
+
+
+def agree_at_boundary(requested: bool | int, done: int, device: torch.device | str = "cpu") -> tuple[int, int]:
+    """``agree_to_stop``, and in the same all-reduce the smallest ``done`` over the ranks: the newest
+    step whose in-memory replicas every rank has finished keeping (``memory_replica``; -1 if a rank's
+    copy failed). One all-reduce MAX of [flag, -done]: no collective more than the stop flag's.
+    ``requested`` may be the signal that asked this rank to stop (``interrupt.requested_signal``):
+    the first value returned is then the largest such signal number over the ranks (0: no stop)."""
+    from .. import comm
+
+    flag = torch.tensor([float(int(requested)), -float(done)], dtype=torch.float64, device=device)
+    comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+    return int(flag[0].item()), int(-flag[1].item())
 
 
 __all__ = ["EXIT_PREEMPTED", "SHRINK_ORDER", "preempted_summary", "preempted_message", "layout_label",
            "allowed_worlds", "layout_for_world", "effective_config", "with_degrees", "layout_of_checkpoint",
-           "world_change_row", "request_stop", "stop_requested", "sigterm_stops", "call_interruptibly",
+           "world_change_row", "request_stop", "stop_requested", "clear_stop", "stop_flag", "call_interruptibly",
            "agree_to_stop", "agree_at_boundary"]

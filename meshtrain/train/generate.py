@@ -15,6 +15,7 @@ import torch
 
 from ..errors import DataError
 from ..models.llama import Llama
+from .checkpoint import _resolve
 from .hf import build_llama, locate_tokenizer, read_checkpoint
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -58,11 +59,12 @@ def generate_ids(model: Llama, prompt: list[int], max_new_tokens: int, temperatu
 def load_for_generation(checkpoint: str, tokenizer: str | None = None,
                         device: str | torch.device = "cpu") -> tuple[Llama, Tokenizer]:
     """The full model of a checkpoint (step dir or root) and its tokenizer (``tokenizer``, else
-    the run's ``data.tokenizer`` or cached BPE; ``DataError`` if neither is found)."""
+    the copy the checkpoint carries, else the run's ``data.tokenizer`` or cached BPE; ``DataError``
+    if none is found)."""
     cfg, tensors, config = read_checkpoint(checkpoint)
     # capacity is a training setting: inference routes every token (as the exported model does)
     cfg = dataclasses.replace(cfg, capacity_factor=math.inf)
-    path = Path(tokenizer) if tokenizer else locate_tokenizer(config)
+    path = Path(tokenizer) if tokenizer else locate_tokenizer(config, _resolve(checkpoint))
     if path is None:
         raise DataError(f"the tokenizer of checkpoint {checkpoint} was not found (data.tokenizer = "
                         f"{config.data.tokenizer!r}; a trained BPE lives in the meshtrain cache, which may have been "

@@ -247,12 +247,15 @@ def build_llama(cfg: LlamaConfig, tensors: dict[str, torch.Tensor]) -> Llama:
     return model.eval()
 
 
-def locate_tokenizer(config: Config) -> Path | None:
-    """The ``tokenizer.json`` of a run: ``data.tokenizer``, or the cached BPE it trained; None if
-    it is not on this machine (a cleared cache, another corpus)."""
+def locate_tokenizer(config: Config, step_dir: str | Path | None = None) -> Path | None:
+    """The ``tokenizer.json`` of a run: the copy its checkpoint ``step_dir`` carries, else
+    ``data.tokenizer``, else the cached BPE it trained; None if it is not on this machine (a
+    checkpoint older than the copies, and a cleared cache or another corpus)."""
     from .data import open_corpus
     from .tokenizer import bpe_cache_path
 
+    if step_dir is not None and (Path(step_dir) / "tokenizer.json").is_file():
+        return Path(step_dir) / "tokenizer.json"
     d = config.data
     if d.tokenizer:
         p = Path(d.tokenizer).expanduser()
@@ -278,7 +281,7 @@ def export_hf(checkpoint: str, out: str | Path, tokenizer: str | Path | None = N
     meshtrain checkpoint; atomic (temp dir, then rename). Returns ``out`` and a note on the tokenizer."""
     out = prepare_out_dir(out)
     cfg, tensors, config = read_checkpoint(checkpoint)
-    tok = Path(tokenizer) if tokenizer else locate_tokenizer(config)
+    tok = Path(tokenizer) if tokenizer else locate_tokenizer(config, _resolve(checkpoint))
     eos_id = _eos_id(tok)
     if cfg.n_experts:  # a transformers MoE class, or ConfigError before anything is written
         from .hf_moe import moe_export

@@ -131,6 +131,7 @@ def import_hf(hf_dir: str, out: str | None = None, config_path: str | None = Non
               f"the imported model (set --data.tokenizer)", file=sys.stderr)
     resolve_out(config)
     run = prepare_out_dir(config.out)
+    config.overwrite = False  # out is empty (checked above), and the launch must keep the step-0 checkpoint
     _, tokenizer, tokens = prepare_data(config.data)
     mc = model_config(config, tokenizer.vocab_size)
     diff = [f"{k}: {getattr(mc, k)} != {getattr(cfg, k)}" for k in _SHAPE if k not in _FREE

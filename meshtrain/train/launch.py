@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -24,8 +25,8 @@ import torch
 from .. import comm, worker_processes
 from ..comm.launch import share_cores
 from ..comm.transport import registry
-from ..errors import CollectiveError, ConfigError, LaunchError, MeshtrainError, exit_code
-from . import elastic, elastic_world
+from ..errors import ConfigError, LaunchError, MeshtrainError, exit_code
+from . import elastic, elastic_world, interrupt, run_dir
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
 
@@ -51,9 +52,10 @@ def check_backend_and_device(config: Config) -> None:
         resolve_device("cuda")  # its ConfigError, the one the trainer would raise
 
 
-def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+def worker(config_dict: dict[str, Any], progress: bool = True, own_run_dir: bool = False) -> dict[str, Any]:
     """One worker process: initialise meshtrain.comm from the launcher's environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), train, shut down."""
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), train, shut down. ``own_run_dir`` (torchrun, where no
+    launcher holds the run directory): rank 0 takes its lock once every rank has joined."""
     from .trainer import train
 
     config = from_dict(config_dict)
@@ -72,12 +74,22 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
                               f"process; pick a free port (torchrun --master-port=PORT, or MASTER_PORT) or stop the "
                               f"process that holds it") from exc
     failure: BaseException | None = None
+    lock = None
+    if own_run_dir and comm.get_rank() == 0:  # after comm.init: every rank has checked out before it is claimed
+        try:
+            lock = run_dir.claim(config, torchrun=True)
+        except BaseException as exc:
+            exit_within(EXIT_GRACE_S, exit_code(exc))
+            comm.destroy(exc)  # the other ranks stop at once, not at their first collective's timeout
+            raise
+    config.overwrite = False  # done by rank 0; the same on every rank (the trainer checks that they agree)
     me = comm.current()
     if me.liveness is not None:  # a lost peer: kill frozen siblings; an elastic run leaves its stop mark
         me.liveness.add_listener(elastic_world.on_peer_lost(config.out, comm.get_rank(), comm.get_world_size(),
                                                             me.liveness, me.hosts, config.elastic.enabled))
     try:
-        with elastic.sigterm_stops(config.elastic.enabled):  # SIGTERM: save at the next step boundary
+        # SIGINT / SIGTERM: every rank saves at the next step boundary; a second SIGINT ends it at once
+        with interrupt.guard(stopping=True, at_once=lambda signum: _worker_exit_now(config, signum)):
             return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
@@ -89,9 +101,21 @@ def worker(config_dict: dict[str, Any], progress: bool = True) -> dict[str, Any]
         raise
     finally:
         comm.destroy(failure)
+        if lock is not None:
+            lock.release()
 
 
 EXIT_GRACE_S = 3.0  # a failed worker's error is reported and its interpreter gone well within this
+
+
+def _worker_exit_now(config: Config, signum: int) -> None:
+    """A second SIGINT in a worker: end it at once. Under torchrun (which named the resume command:
+    ``main_torchrun``) rank 0 says so in one line; ``meshtrain train``'s launcher prints its own."""
+    line, resume = "", interrupt.resume_command()
+    if resume is not None and int(os.environ.get("RANK", "0") or 0) == 0:
+        root = os.path.join(config.out, config.checkpoint.dir)
+        line = "meshtrain.train: " + interrupt.unsaved_line(signum, "again", root, resume, config.checkpoint.enabled)
+    interrupt.exit_now(line, interrupt.exit_code(signum))
 
 
 def exit_within(seconds: float, code: int) -> None:
@@ -165,6 +189,8 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: 
     if not config.parallel.auto:
         validate(config)  # with auto, the layout is checked once chosen (below)
     check_backend_and_device(config)  # here, once, not in every worker
+    run_dir.absolute_paths(config)  # config.toml and the checkpoints then mean the same from any directory
+    run_dir.use_checkpoint_tokenizer(config)  # a resumed run tokenises as its checkpoint did
     from .tokenizer import prepare_data
 
     _, tokenizer, _ = prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
@@ -183,14 +209,30 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: 
                               f"(dp x tp x pp x cp); set elastic.enabled = true to choose the layout for {n} ranks, "
                               f"or leave --world-size out")
         elastic.effective_config(config, n, tokenizer.vocab_size)  # a world with no layout: one error, here
+    # last, once the input is known good: this launcher owns out for its ranks (ConfigError if another
+    # run does, or out holds a run this one would train over)
+    lock = run_dir.claim(config)
+    config.overwrite = False  # done (the previous run's files are gone): config.toml says false
+    try:
+        return _start(config, n, max_restarts, progress)
+    finally:
+        lock.release()
+
+
+def _start(config: Config, n: int, max_restarts: int, progress: bool) -> dict[str, Any]:
+    """Run the ``n`` ranks of ``config``, threads or worker processes (``launch`` holds the lock)."""
     if registry.runs_as_threads(config.comm.transport):
         def run() -> dict[str, Any]:
             return comm.run_local(n, _thread_rank, config, progress, timeout=config.comm.timeout_s,
                                   transport=config.comm.transport)[0]
 
-        if not config.elastic.enabled:
-            return run()
-        with elastic.sigterm_stops():  # ranks as threads: this thread runs the handler, so it must stay awake
+        def exit_now(signum: int) -> None:  # a second SIGINT: threads cannot be stopped, so end the process
+            root = os.path.join(config.out, config.checkpoint.dir)
+            interrupt.exit_now("meshtrain train: " + interrupt.unsaved_line(
+                signum, "again", root, interrupt.resume_command(), config.checkpoint.enabled), interrupt.exit_code(signum))
+
+        # ranks as threads: this thread runs the signal handler, so it must stay awake
+        with interrupt.guard(stopping=True, at_once=exit_now):
             return elastic.call_interruptibly(run)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -198,11 +240,22 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: 
     # interpreters importing it (about 1.3 s of CPU each), under this process's environment; the
     # server starts before the scratch directory, which is removed at the end (its socket lives on)
     worker_processes.ensure_server()
-    with scratch_tmpdir():  # before LaunchConfig, whose log settings make their directory at once
+    # SIGINT / SIGTERM are this process's, not the agent's (signals_to_handle): torch's agent would
+    # end with a traceback and SIGKILL workers still saving after 30 s. The first is passed on to
+    # the workers as SIGTERM (a terminal's Ctrl-C has reached them already: a SIGINT from here
+    # would look like a second one); a second SIGINT kills them and ends the launch.
+    def again(signum: int) -> None:
+        interrupt.kill_workers(interrupt.forkserver_workers())
+        raise interrupt.Interrupted(signum, again=True)
+
+    def forward(signum: int) -> None:
+        interrupt.signal_workers(interrupt.forkserver_workers(), signal.SIGTERM)
+
+    with scratch_tmpdir(), interrupt.guard(stopping=True, forward=forward, at_once=again):
         lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
                           monitor_interval=0.5, rdzv_configs={"timeout": int(config.comm.init_timeout_s)},
-                          start_method="forkserver")
+                          start_method="forkserver", signals_to_handle="SIGHUP,SIGQUIT")
         results = elastic_launch(lc, worker_processes.with_caller_env(os.environ, worker))(to_dict(config), progress)
     return results[0]
 
@@ -236,19 +289,26 @@ def main_torchrun(argv: list[str] | None = None) -> int:
                          "directory)")
     try:
         check_backend_and_device(config)
+        run_dir.check_reusable(config, torchrun=True)  # reads only; rank 0 takes the lock once all joined (worker)
     except ConfigError as exc:
         # every rank of a host finds the same, before any process group: one line per host, not per rank
         if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
             print(f"meshtrain.train: error: [host {socket.gethostname()}] ConfigError: {exc}", file=sys.stderr)
         return 2
+    run_dir.use_checkpoint_tokenizer(config)  # a resumed run tokenises as its checkpoint did
+    # what rank 0's line after an interrupt names (torchrun's own options are not known here)
+    interrupt.set_resume(lambda: interrupt.resume_argv(["torchrun", "...", "-m", "meshtrain.train"], path, args,
+                                                       config.out))
     try:
-        summary = worker(to_dict(config))
+        summary = worker(to_dict(config), own_run_dir=True)
     except MeshtrainError as exc:  # one line naming it (and the fix); 2 for bad input, 1 else (as meshtrain train)
-        print(f"meshtrain.train: error: [rank {os.environ.get('RANK', '?')}] {type(exc).__name__}: {exc}",
+        text = interrupt.restart_hint(str(exc), os.path.join(config.out, config.checkpoint.dir))  # a lost peer's
+        print(f"meshtrain.train: error: [rank {os.environ.get('RANK', '?')}] {type(exc).__name__}: {text}",
               file=sys.stderr)
         return exit_code(exc)
-    if summary.get("preempted"):  # saved at a step boundary on SIGTERM: non-zero, so torchrun restarts
+    if summary.get("preempted"):  # stopped at a step boundary by a signal: non-zero, so torchrun restarts
         if int(os.environ.get("RANK", "0") or 0) == 0:
-            print(f"meshtrain.train: {elastic.preempted_message(summary)}", file=sys.stderr)
-        return elastic.EXIT_PREEMPTED
+            line = interrupt.stopped_line(summary, resume=interrupt.resume_command(), elastic_run=config.elastic.enabled)
+            print(f"meshtrain.train: {line}", file=sys.stderr)
+        return int(summary.get("exit_code", elastic.EXIT_PREEMPTED))
     return 0

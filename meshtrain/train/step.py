@@ -35,21 +35,29 @@ class StepResult:
     """fp16: some rank's gradients held inf/NaN, so the step is skipped on every rank."""
     loss_scale: float | None = None
     """fp16: the scale this step's backward ran with; None without loss scaling."""
+    stop: int = 0
+    """The agreed stop flag that rode this step's read (``measure_step``'s ``stop_flag``; 0: none)."""
 
 
 def measure_step(model: ParallelModel, opt: ParallelOptimizer, inputs: torch.Tensor, targets: torch.Tensor,
-                 grad_clip: float, scaler: DynamicLossScaler | None = None) -> StepResult:
+                 grad_clip: float, scaler: DynamicLossScaler | None = None,
+                 stop_flag: torch.Tensor | None = None) -> StepResult:
     """Forward and backward of one global batch, unscaling and the agreed overflow verdict
-    (``scaler``: fp16), then clipping to ``grad_clip`` (0: measure only); one host read.
-    Collective over the world."""
+    (``scaler``: fp16), then clipping to ``grad_clip`` (0: measure only); one host read, which
+    also brings ``stop_flag`` (a one-element tensor the ranks already all-reduced: the stop
+    ``interrupt.py`` asks for) to the host. Collective over the world."""
     scale = scaler.scale if scaler is not None else 1.0
     loss_t = model.forward_backward(inputs, targets, loss_scale=scale)
     found = opt.unscale_(scaler) if scaler is not None else None  # before the clip: it reads true norms
     norm_t = opt.clip_grad_norm_(grad_clip)
     values = [loss_t.double(), norm_t.double()] + ([found.double().reshape(())] if found is not None else [])
-    loss, norm, *flag = torch.stack(values).tolist()  # the step's one host read (a device sync on a GPU)
+    if stop_flag is not None:
+        values.append(stop_flag.to(loss_t.device, torch.float64).reshape(()))
+    read = torch.stack(values).tolist()  # the step's one host read (a device sync on a GPU)
+    stop = int(read.pop()) if stop_flag is not None else 0
+    loss, norm, *flag = read
     overflow = bool(flag and flag[0] > 0)
-    return StepResult(loss, math.nan if overflow else norm, overflow, scale if scaler is not None else None)
+    return StepResult(loss, math.nan if overflow else norm, overflow, scale if scaler is not None else None, stop)
 
 
 def apply_step(opt: ParallelOptimizer, result: StepResult, scaler: DynamicLossScaler | None = None) -> None:

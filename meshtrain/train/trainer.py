@@ -25,7 +25,7 @@ from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
-from . import elastic, elastic_world, memory_replica
+from . import elastic, elastic_world, interrupt, memory_replica, run_dir as run_files
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_io import step_dir_name
 from .checkpoint_async import CheckpointSaver
@@ -96,7 +96,7 @@ def preferred_algorithm(config: Config, transport_kind: str) -> str | None:
 def _train(config: Config, progress: bool) -> dict[str, Any]:
     entered = time.perf_counter()
     configured = config
-    _, tokenizer, tokens = prepare_data(config.data)
+    corpus, tokenizer, tokens = prepare_data(config.data)
     # elastic: the layout for the ranks this run got (the configured one when they match)
     config, reshaped = elastic.effective_config(config, comm.get_world_size(), tokenizer.vocab_size)
     if reshaped and comm.get_rank() == 0:
@@ -134,6 +134,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
 
     rank0 = comm.get_rank() == 0
     run_dir = Path(config.out)
+    described = run_files.describe(corpus, tokenizer, run_dir)  # in every checkpoint's extra, which copies the tokenizer
     ckpt_root = run_dir / config.checkpoint.dir
     replicas = memory_replica.start(config, model, device)  # elastic: the step state kept in host memory
     loading = time.perf_counter()
@@ -144,6 +145,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(configured))  # as launched: elastic derives layouts from it
+        run_files.write_run_files(run_dir, tokenizer, described)  # the run's tokenizer and data, whatever the cache
         row = None
         if saved is not None and config.elastic.enabled:  # before the logger appends to metrics.jsonl
             row = _elastic_row(config, run_dir, saved, start_step, reshaped, entered, loading, resumed,
@@ -156,11 +158,11 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     comm.barrier()  # the run directory exists before anyone writes into it
     start, loss = time.perf_counter(), float("nan")
     saver = CheckpointSaver(config.checkpoint.async_save)
-    ck, saved_step, stopped = config.checkpoint, -1, 0
+    ck, saved_step, stopped, stop_signal = config.checkpoint, -1, 0, 0
 
     def extra(step: int) -> dict[str, Any]:
         return {"step": step, "loader": loader.state_dict(), "config": to_dict(config), "rng": torch.get_rng_state(),
-                **({"loss_scaler": scaler.state_dict()} if scaler is not None else {})}
+                **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}), **described}
 
     try:
         for step in range(start_step + 1, t.steps + 1):
@@ -168,10 +170,13 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = loader.next_batch()
+            # SIGINT / SIGTERM (interrupt.py): the stop flag, all-reduced, rides this step's one host
+            # read (elastic agrees on it at the step boundary below, with its replicas' step)
+            flag = None if config.elastic.enabled else elastic.stop_flag(interrupt.requested_signal(), device)
             comm.reset_stats()
             t0 = time.perf_counter()
             res = measure_step(model, opt, batch.inputs.to(device, non_blocking=True),
-                               batch.targets.to(device, non_blocking=True), t.grad_clip, scaler)
+                               batch.targets.to(device, non_blocking=True), t.grad_clip, scaler, flag)
             loss, norm = res.loss, res.grad_norm
             _check_finite(res, step, scaler, t, ckpt_root)  # before the step writes non-finite weights
             apply_step(opt, res, scaler)  # under fp16 an overflow on any rank skips it on all
@@ -192,22 +197,26 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
             if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
                 saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra=extra(step))
                 saved_step = step
-            if not config.elastic.enabled or step == t.steps:
+            if step == t.steps:
                 continue
-            # elastic: one flag all-reduced per step, so every rank stops after the same one; the same
-            # all-reduce tells every rank the newest step whose memory replicas all ranks kept
-            done = replicas.wait() if replicas is not None else 0
-            stop, acked = elastic.agree_at_boundary(elastic.stop_requested(), done, device)
+            # one flag all-reduced per step, so every rank stops after the same one; under elastic the
+            # same all-reduce tells every rank the newest step whose memory replicas all ranks kept
+            stop, acked = res.stop, 0
+            if config.elastic.enabled:
+                done = replicas.wait() if replicas is not None else 0
+                stop, acked = elastic.agree_at_boundary(interrupt.requested_signal(), done, device)
             if stop:
                 saver.wait()  # an async save of this step commits here
-                if saved_step != step:
+                if ck.enabled and saved_step != step:  # even with checkpoint.every = 0
                     save_checkpoint(str(ckpt_root), step, model, opt, extra(step), ck.keep)
+                    saved_step = step
                 if replicas is not None:  # the checkpoint just saved holds what they hold
                     replicas.close()
-                elastic_world.write_stop(run_dir, comm.get_rank(), comm.get_world_size(),
-                                         f"SIGTERM: stopped after step {step} with its checkpoint (a membership "
-                                         f"change, or preemption)")
-                stopped = step
+                if config.elastic.enabled:
+                    elastic_world.write_stop(run_dir, comm.get_rank(), comm.get_world_size(),
+                                             f"{interrupt.signal_name(stop).split()[0]}: stopped after step {step} "
+                                             f"with its checkpoint (a membership change, or preemption)")
+                stopped, stop_signal = step, stop
                 break
             if replicas is not None:
                 replicas.snapshot(step, acked, opt, lambda: extra(step))
@@ -222,7 +231,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         if logger is not None:
             logger.close()
     if stopped:  # returned, not raised: a raising rank would abort peers still finishing the save
-        return elastic.preempted_summary(stopped, str(ckpt_root / step_dir_name(stopped)), str(run_dir), t.steps)
+        return interrupt.stopped_summary(stopped, stop_signal, str(ckpt_root / step_dir_name(stopped))
+                                         if saved_step == stopped else None, str(run_dir), t.steps)
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "active_params": active_params(cfg),
                "world_size": mesh.world_size, "device": device.type, "vocab_size": cfg.vocab_size,
                "layout": degrees_of(p), "seconds": time.perf_counter() - start,
