@@ -148,8 +148,9 @@ def validate(config: Config) -> None:
         _need(t.seq_len % (p.cp * p.tp) == 0, f"train.seq_len = {t.seq_len} is not divisible by cp x tp = "
               f"{p.cp * p.tp} (sequence parallelism splits each rank's sequence over tp); use train.seq_len = "
               f"{_pad(t.seq_len, p.cp * p.tp)}")
-    _need(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps = {t.warmup_steps} must be between 0 and "
-          f"train.steps = {t.steps}; set e.g. --train.warmup_steps={t.steps // 10}")
+    # a warmup longer than the run is clamped to it (trainer.lr_at), with a note (train/preflight.py)
+    _need(t.warmup_steps >= 0, f"train.warmup_steps = {t.warmup_steps} must be >= 0 (0: no warmup); set e.g. "
+          f"--train.warmup_steps={t.steps // 10}")
     _need(t.lr > 0 and 0 <= t.min_lr <= t.lr, f"need 0 < train.lr and 0 <= train.min_lr <= train.lr, got "
           f"lr = {t.lr}, min_lr = {t.min_lr}; set them so")
     _need(t.weight_decay >= 0 and t.grad_clip >= 0, "train.weight_decay and train.grad_clip must be >= 0 "
@@ -176,6 +177,9 @@ def validate(config: Config) -> None:
                         + (f" with comm.backend = {c.backend!r}" if c.transport == "auto" else ""))
     _need(d.vocab_size >= 257, f"data.vocab_size = {d.vocab_size} must be >= 257 (a byte-level BPE starts "
           f"from 256 byte tokens plus end-of-text)")
+    _need(bool(d.text_field), "data.text_field = '' names no field; set it to the JSON field / column holding the "
+          "text (default \"text\")")
+    _need(t.print_every >= 0, f"train.print_every = {t.print_every} must be >= 0 (0: about 20 lines a run)")
     _need(d.max_bytes >= 0 and d.tokenizer_sample_bytes > 0, "data.max_bytes must be >= 0 (0: no limit) and "
           "data.tokenizer_sample_bytes > 0")
     ck = config.checkpoint

@@ -160,7 +160,7 @@ class TrainSection:
     min_lr: float = 2e-4
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 15
-    """Steps of linear warmup from 0 to lr (at most steps)."""
+    """Steps of linear warmup from 0 to lr; one longer than the run is clamped to train.steps (with a note)."""
     weight_decay: float = 0.1
     """AdamW weight decay."""
     beta1: float = 0.9
@@ -185,6 +185,10 @@ class TrainSection:
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
     log_every: int = 1
     """Write a metrics line (and refresh the progress bar) every this many steps."""
+    print_every: int = 0
+    """Without the progress bar (``--no-progress``, as in a cluster's log): print a one-line
+    ``# step S/N: loss ...`` every this many steps (rounded up to a multiple of log_every); 0: about
+    20 lines a run."""
     plan_check: str = "auto"
     """The planner's prediction for the run's own layout, written beside what the run measured
     (summary.json, the last log line): "cached" prices it from the host's cached calibration,
@@ -210,6 +214,9 @@ class DataSection:
     """Vocabulary of the BPE trained when tokenizer is ""."""
     max_bytes: int = 20_000_000
     """Read at most this many bytes of text (0: all of it)."""
+    text_field: str = "text"
+    """The JSON field (.jsonl) or column (.parquet, a saved Hugging Face dataset) that holds each
+    document's text."""
     tokenizer_sample_bytes: int = 4_000_000
     """Train the BPE on about this many bytes, sampled evenly over the corpus."""
 

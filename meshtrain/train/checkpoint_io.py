@@ -351,13 +351,17 @@ class CheckpointReader:
             return self._files[name]
         path = os.path.join(self.path, name)
         want = self.meta["files"][name]
-        fix = "restore the file, or resume from an earlier checkpoint"
+        from .run_records import earlier_checkpoint_fix  # (lazily: it names the checkpoint before this one)
+
+        def fix() -> str:
+            return earlier_checkpoint_fix(self.path)
+
         if not os.path.isfile(path):
-            raise CheckpointError(f"shard file {path} is missing (metadata.json lists it); {fix}")
+            raise CheckpointError(f"shard file {path} is missing (metadata.json lists it); {fix()}")
         size = os.path.getsize(path)
         if size != want["size"]:
             raise CheckpointError(f"shard file {path} is {size} bytes but was written with {want['size']}: "
-                                  f"it is truncated or corrupt; {fix}")
+                                  f"it is truncated or corrupt; {fix()}")
         f = open(path, "rb", buffering=0)
         try:
             if self.verify:
@@ -366,7 +370,7 @@ class CheckpointReader:
                     h.update(chunk)
                 if h.hexdigest() != want["sha256"]:
                     raise CheckpointError(f"shard file {path} is corrupt: its sha256 differs from the one recorded "
-                                          f"at save time; {fix}")
+                                          f"at save time; {fix()}")
             f.seek(0)
             try:
                 (n,) = struct.unpack("<Q", f.read(8))
@@ -374,7 +378,7 @@ class CheckpointReader:
                     raise ValueError(f"header length {n} exceeds the file")
                 header = json.loads(f.read(n))
             except (ValueError, struct.error) as exc:
-                raise CheckpointError(f"shard file {path} is corrupt (its safetensors header: {exc}); {fix}") from exc
+                raise CheckpointError(f"shard file {path} is corrupt (its safetensors header: {exc}); {fix()}") from exc
         except BaseException:
             f.close()
             raise

@@ -9,9 +9,6 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from ..errors import exit_code
-
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``meshtrain train`` (every config key is also an option: --train.lr=1e-3)."""
@@ -19,21 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory (default runs/<date-time>)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times after a failure")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar: a '# step S/N: ...' line every "
+                   "train.print_every steps instead (0: about 20 a run), for logs")
     p.add_argument("--world-size", type=int, help="start this many ranks instead of dp x tp x pp x cp; needs "
                    "elastic.enabled, which chooses the layout for them (as after a torchrun membership change)")
-
-
-def _planner_words(summary: dict) -> str:
-    """The planner's check of the run (metrics.plan_check) for the final line: predicted vs measured."""
-    measured = summary.get("measured_step_s")
-    if measured is None:
-        return "planner: no measured steps"
-    if summary.get("predicted_step_s") is None:
-        return f"planner: no prediction ({summary.get('prediction_reason')}), measured {measured:.4f} s/step"
-    return (f"planner predicted {summary['predicted_step_s']:.4f} s/step and "
-            f"{summary['predicted_peak_mem_bytes'] / 2**20:.0f} MiB, measured {measured:.4f} s/step and "
-            f"{summary['measured_peak_mem_bytes'] / 2**20:.0f} MiB")
 
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -78,6 +64,8 @@ def _main(args: argparse.Namespace, overrides: list[str], seen: dict) -> int:
     from .config import load_config, to_toml, validate
     from .launch import launch
     from .metrics import plan_check_line, profiled_plan_check, profiles_after
+    from .preflight import plan_remark
+    from .run_records import trained_words
 
     try:
         config = load_config(args.config, overrides + ([f"--out={args.out}"] if args.out else []))
@@ -96,12 +84,12 @@ def _main(args: argparse.Namespace, overrides: list[str], seen: dict) -> int:
     except ChildFailedError as exc:  # a worker process failed: say which and why, in one line
         if interrupt.received():  # a worker the signal reached before its handler: the interrupt says it
             raise interrupt.Interrupted(interrupt.received()) from None
-        rank, failure = exc.get_first_failure()
-        msg = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-        msg = interrupt.restart_hint(msg, os.path.join(config.out, config.checkpoint.dir))  # a lost peer's advice
-        print(f"meshtrain train: error: worker rank {rank} failed (exit code {failure.exitcode}): {msg}",
-              file=sys.stderr)
-        return exit_code(msg.split(":", 1)[0])
+        from .run_records import failure_line
+
+        # its traceback to RUN_DIR/logs/rank-R.log; the exit code named is the one this command ends with
+        line, code = failure_line(exc, config.out, os.path.join(config.out, config.checkpoint.dir))
+        print(f"meshtrain train: error: {line}", file=sys.stderr)
+        return code
     seen.pop("launched")
     seen["done"] = True
     if summary.get("preempted"):  # SIGINT / SIGTERM: every rank stopped at a step boundary with its checkpoint
@@ -114,9 +102,13 @@ def _main(args: argparse.Namespace, overrides: list[str], seen: dict) -> int:
               f"(train.plan_check = {config.train.plan_check!r})", flush=True)
         summary = profiled_plan_check(config, summary)
         print(plan_check_line(summary), flush=True)
-    print(f"# trained {summary['steps']} steps of a {summary['params'] / 1e6:.1f}M-parameter model on "
+    remark = plan_remark(summary)  # the last prediction (profiled, else the ranks' cached one) off by more than it states
+    if remark:
+        print(remark, file=sys.stderr, flush=True)
+    # (the planner's figures are its `# planner:` line's, printed once above, not repeated here)
+    print(f"# trained {trained_words(summary)} of a {summary['params'] / 1e6:.1f}M-parameter model on "
           f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
           f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s; {_planner_words(summary)}")
+          f"{summary['tokens_per_s']:.0f} tokens/s")
     print(f"# wrote {summary['run_dir']}/metrics.jsonl, loss.png, summary.json, tensorboard/")
     return 0

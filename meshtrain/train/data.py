@@ -3,8 +3,8 @@
 The built-in corpus exists on every machine without a download: the ``.py`` sources of the running
 Python's standard library (``sysconfig.get_paths()["stdlib"]``, without tests and site-packages),
 read at run time in sorted path order; nothing is copied into the repository. User data is a
-``.txt`` file (one document), a ``.jsonl`` file (one document per line, in a "text" field), a
-``.parquet`` file (a "text" column; needs pyarrow), a directory of such files (sorted by path), or
+``.txt`` file (one document), a ``.jsonl`` file (one document per line, in a "text" field, or the
+one ``data.text_field`` names), a ``.parquet`` file (that column; needs pyarrow), a directory of such files (sorted by path), or
 a directory written by Hugging Face ``Dataset.save_to_disk`` (needs ``datasets``).
 
 A ``Corpus`` is cheap to open (it lists and stats files); its ``fingerprint`` hashes what it is
@@ -138,7 +138,8 @@ def read_jsonl(path: Path, text_field: str = "text") -> Iterator[str]:
             if not isinstance(record, dict) or text_field not in record:
                 keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
                 raise DataError(f"{path}:{n}: no \"{text_field}\" field (found: {keys}); each line must be a "
-                                f"JSON object like {{\"{text_field}\": \"...\"}}")
+                                f"JSON object like {{\"{text_field}\": \"...\"}}, or set data.text_field to the "
+                                f"field that holds the text")
             text = record[text_field]
             if not isinstance(text, str):
                 raise DataError(f"{path}:{n}: \"{text_field}\" is {type(text).__name__}, not a string")
@@ -154,7 +155,8 @@ def read_parquet(path: Path, text_field: str = "text") -> Iterator[str]:
                         f"(or convert the file to .jsonl)") from None
     pf = pq.ParquetFile(path)
     if text_field not in pf.schema_arrow.names:
-        raise DataError(f"{str(path)!r} has no \"{text_field}\" column (columns: {', '.join(pf.schema_arrow.names)})")
+        raise DataError(f"{str(path)!r} has no \"{text_field}\" column (columns: {', '.join(pf.schema_arrow.names)}); "
+                        f"set data.text_field to the column that holds the text")
     for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if text is not None:
@@ -183,7 +185,8 @@ def read_hf_dataset(path: Path, text_field: str = "text") -> Iterator[str]:
                             f"train on by itself (ds[split].save_to_disk(dir))")
         ds = ds["train" if "train" in ds else splits[0]]
     if text_field not in ds.column_names:
-        raise DataError(f"{str(path)!r} has no \"{text_field}\" column (columns: {', '.join(ds.column_names)})")
+        raise DataError(f"{str(path)!r} has no \"{text_field}\" column (columns: {', '.join(ds.column_names)}); "
+                        f"set data.text_field to the column that holds the text")
     for batch in ds.select_columns([text_field]).iter(batch_size=1024):
         for text in batch[text_field]:
             if text is not None:

@@ -262,7 +262,7 @@ def locate_tokenizer(config: Config, step_dir: str | Path | None = None) -> Path
         p = p / "tokenizer.json" if p.is_dir() else p
         return p if p.is_file() else None
     try:
-        path = bpe_cache_path(open_corpus(d.path, d.max_bytes), d.vocab_size, d.tokenizer_sample_bytes)
+        path = bpe_cache_path(open_corpus(d.path, d.max_bytes, d.text_field), d.vocab_size, d.tokenizer_sample_bytes)
     except Exception:  # noqa: BLE001 - a missing corpus just means we cannot find the cache
         return None
     return path if path.is_file() else None

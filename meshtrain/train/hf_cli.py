@@ -99,6 +99,17 @@ def main_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vocab_error(hf_dir: str, vocab: int, why: str) -> Exception:
+    """The ConfigError for a tokenizer larger than the imported model's embedding: the model's
+    vocabulary is fixed by its weights, so the fix is the tokenizer (or the BPE's size)."""
+    from ..errors import ConfigError
+
+    return ConfigError(f"{hf_dir} holds a model of {vocab} tokens (config.json vocab_size, fixed by its weights), "
+                       f"but {why}; an import cannot change the model's vocabulary: pass the model's own tokenizer "
+                       f"(--data.tokenizer=DIR with its tokenizer.json)"
+                       + (f" or a BPE no larger than the model (--data.vocab_size={vocab})" if vocab >= 257 else ""))
+
+
 def import_hf(hf_dir: str, out: str | None = None, config_path: str | None = None, overrides: list[str] = (),
               convert_only: bool = False, progress: bool = True, max_restarts: int = 0) -> dict[str, Any]:
     """Convert HF Llama weights into a run directory's step-0 checkpoint and (unless
@@ -125,6 +136,9 @@ def import_hf(hf_dir: str, out: str | None = None, config_path: str | None = Non
     config.checkpoint.resume = "auto"  # the trainer finds the step-0 checkpoint as this run's latest
     if config.data.tokenizer:  # data.vocab_size is then unused, but validate() checks the model against it
         config.data.vocab_size = max(257, min(config.data.vocab_size, cfg.vocab_size))
+    elif config.data.vocab_size > cfg.vocab_size:  # validate's "raise model.vocab_size" cannot apply to an import
+        raise _vocab_error(hf_dir, cfg.vocab_size, f"the BPE it would train asks for data.vocab_size = "
+                           f"{config.data.vocab_size}")
     validate(config)
     if not has_tok and not config.data.tokenizer:
         print(f"# note: {hf_dir} has no tokenizer.json; training a BPE on the corpus, whose ids mean nothing to "
@@ -133,6 +147,8 @@ def import_hf(hf_dir: str, out: str | None = None, config_path: str | None = Non
     run = prepare_out_dir(config.out)
     config.overwrite = False  # out is empty (checked above), and the launch must keep the step-0 checkpoint
     _, tokenizer, tokens = prepare_data(config.data)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise _vocab_error(hf_dir, cfg.vocab_size, f"the tokenizer has {tokenizer.vocab_size} tokens")
     mc = model_config(config, tokenizer.vocab_size)
     diff = [f"{k}: {getattr(mc, k)} != {getattr(cfg, k)}" for k in _SHAPE if k not in _FREE
             and getattr(mc, k) != getattr(cfg, k)]

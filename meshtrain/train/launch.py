@@ -26,7 +26,7 @@ from .. import comm, worker_processes
 from ..comm.launch import share_cores
 from ..comm.transport import registry
 from ..errors import ConfigError, LaunchError, MeshtrainError, exit_code
-from . import elastic, elastic_world, interrupt, run_dir
+from . import elastic, elastic_world, interrupt, run_dir, run_records
 from .config import Config, from_dict, resolve_out, to_dict, validate
 
 
@@ -193,7 +193,7 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: 
     run_dir.use_checkpoint_tokenizer(config)  # a resumed run tokenises as its checkpoint did
     from .tokenizer import prepare_data
 
-    _, tokenizer, _ = prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
+    corpus, tokenizer, tokens = prepare_data(config.data)  # build the tokenizer and token caches once, before the ranks start
     if config.parallel.auto:
         from ..plan.auto import choose_layout, describe
 
@@ -209,6 +209,11 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: 
                               f"(dp x tp x pp x cp); set elastic.enabled = true to choose the layout for {n} ranks, "
                               f"or leave --world-size out")
         elastic.effective_config(config, n, tokenizer.vocab_size)  # a world with no layout: one error, here
+    from . import preflight
+
+    # the run against this host (ConfigError where its ranks cannot start), its settings' no-ops and the
+    # data it will see: once, here, not in every rank
+    preflight.report(config, n, registry.runs_as_threads(config.comm.transport), corpus, tokenizer, tokens)
     # last, once the input is known good: this launcher owns out for its ranks (ConfigError if another
     # run does, or out holds a run this one would train over)
     lock = run_dir.claim(config)
@@ -251,7 +256,10 @@ def _start(config: Config, n: int, max_restarts: int, progress: bool) -> dict[st
     def forward(signum: int) -> None:
         interrupt.signal_workers(interrupt.forkserver_workers(), signal.SIGTERM)
 
-    with scratch_tmpdir(), interrupt.guard(stopping=True, forward=forward, at_once=again):
+    # the agent's own log (its traceback of a failed worker) goes to RUN_DIR/logs/agent.log, not the
+    # terminal, where the launcher's one line says what failed (run_records.failure_line)
+    with scratch_tmpdir(), run_records.agent_log(config.out), \
+            interrupt.guard(stopping=True, forward=forward, at_once=again):
         lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"meshtrain-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
                           monitor_interval=0.5, rdzv_configs={"timeout": int(config.comm.init_timeout_s)},

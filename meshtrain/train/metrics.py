@@ -212,12 +212,49 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def read_steps(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The step rows of a ``metrics.jsonl``, each step once, by step. A resumed run's rows carry its
+    ``segment`` (1, 2, ...): where a segment's rows begin, at step S, the earlier rows of steps S
+    and later are dropped (steps the run no longer contains, though the new segment may stop short
+    of them); of a step's rows in one segment the last counts (rows without ``segment``: the last).
+    ``read_rows`` keeps them all, in order."""
+    steps: dict[int, dict[str, Any]] = {}
+    segment = None
+    for row in read_rows(path):
+        if "event" in row or not isinstance(row.get("step"), int):
+            continue
+        if row.get("segment") is not None and row["segment"] != segment:
+            if segment is not None:
+                steps = {s: r for s, r in steps.items() if s < row["step"]}
+            segment = row["segment"]
+        steps[row["step"]] = row
+    return [steps[s] for s in sorted(steps)]
+
+
+def line_every(total_steps: int, log_every: int = 1, print_every: int = 0) -> int:
+    """Steps between the ``step_line``s of a run without a progress bar: ``train.print_every``
+    (0: about 20 a run), rounded up to a multiple of ``log_every`` (the steps that are logged)."""
+    k = print_every or max(1, total_steps // 20)
+    return -(-k // log_every) * log_every
+
+
+def step_line(record: dict[str, Any], total_steps: int) -> str:
+    """One step as a line for a log without a progress bar (a cluster job's): ``# step S/N: ...``."""
+    eta = record["step_s"] * (total_steps - record["step"])
+    return (f"# step {record['step']}/{total_steps}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, "
+            f"{record['tokens_per_s']:.0f} tokens/s, MFU {100 * record['mfu']:.1f}%, {record['step_s']:.3f} s/step, "
+            f"ETA {eta:.0f} s")
+
+
 class MetricsLogger:
     """Rank 0's record of a run: ``metrics.jsonl`` (one object per step), TensorBoard events
-    beside it, and a tqdm progress bar (step, loss, tokens/s, MFU, ETA)."""
+    beside it, and a tqdm progress bar (step, loss, tokens/s, MFU, ETA); without the bar, a
+    ``step_line`` every ``print_every`` steps (0: none), so a cluster's log shows progress."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True,
+                 print_every: int = 0) -> None:
         self.run_dir = run_dir
+        self.total_steps, self.print_every = total_steps, print_every
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.history: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -247,6 +284,8 @@ class MetricsLogger:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
             self.bar.update(1)
+        elif self.print_every and (record["step"] % self.print_every == 0 or record["step"] == self.total_steps):
+            print(step_line(record, self.total_steps), flush=True)
 
     def event(self, row: dict[str, Any]) -> None:
         """Write a row that is not a step (it has an ``event`` key) to ``metrics.jsonl`` only."""

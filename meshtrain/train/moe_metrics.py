@@ -71,3 +71,44 @@ def plot_load_balance(history: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+COLLAPSE_SHARE = 0.1
+"""An expert is starved while its tokens are below this fraction of an even share (1 / n_experts)."""
+COLLAPSE_STEPS = 10
+"""Steps in a row an expert must be starved before ``CollapseWatch`` warns."""
+
+
+class CollapseWatch:
+    """Rank 0's watch for routing collapse: once some expert of some MoE layer has taken less than
+    ``share`` of an even share of the tokens for ``steps`` steps in a row, one warning line naming
+    each such layer and its experts (then silence: ``load_balance.png`` shows the rest)."""
+
+    def __init__(self, share: float = COLLAPSE_SHARE, steps: int = COLLAPSE_STEPS) -> None:
+        self.share, self.steps = share, steps
+        self.starved: dict[tuple[int, int], int] = {}
+        """(layer, expert) -> steps in a row it has been starved."""
+        self.warned = False
+
+    def update(self, record: dict[str, Any]) -> str | None:
+        """Feed one step's record (``moe_record``'s keys); the warning line, the first time only."""
+        if self.warned or "moe_tokens" not in record:
+            return None
+        for layer, counts in zip(record["moe_layers"], record["moe_tokens"]):
+            even = sum(counts) / max(len(counts), 1)
+            for expert, c in enumerate(counts):
+                key = (layer, expert)
+                self.starved[key] = self.starved.get(key, 0) + 1 if c < self.share * even else 0
+        worst: dict[int, list[int]] = {}
+        for (layer, expert), n in sorted(self.starved.items()):
+            if n >= self.steps:
+                worst.setdefault(layer, []).append(expert)
+        if not worst:
+            return None
+        self.warned = True
+        n_experts = len(record["moe_tokens"][0])
+        layers = "; ".join(f"layer {layer}: expert{'s' if len(e) > 1 else ''} {', '.join(map(str, e))} of {n_experts}"
+                           for layer, e in worst.items())
+        return (f"# moe: routing collapse at step {record['step']}: {layers} took under {self.share:.0%} of an even "
+                f"share of the tokens for {self.steps} steps in a row; balance the router (model.bias_update_rate, "
+                f"e.g. 0.001, or model.aux_loss_coef, e.g. 0.01) and see load_balance.png")

@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DATA_FILE = "data.json"
 SIGNS = ("config.toml", "metrics.jsonl", "summary.json")
 """Files whose presence means the folder holds a run (with the checkpoint directory, if not empty)."""
-RUN_FILES = (*SIGNS, "loss.png", "load_balance.png", "tensorboard", "flight", "elastic", DATA_FILE, *TOKENIZER_FILES)
+RUN_FILES = (*SIGNS, "loss.png", "load_balance.png", "tensorboard", "flight", "elastic", DATA_FILE, *TOKENIZER_FILES,
+             "configs", "logs")  # (run_records: earlier segments' configs, failed workers' tracebacks)
 """What a run writes besides its checkpoints: what ``overwrite = true`` deletes (nothing else)."""
+LOCK_BEAT_S = 1.0
+"""The holder touches its lock this often: a lock left untouched for ``LOCK_STALE_BEATS`` beats was
+left by a run that ended (killed, its host lost), whichever host it ran on. Judged by watching the
+file's mtime from here, so the hosts' clocks need not agree."""
+LOCK_STALE_BEATS = 3
 _READ_TRIES = 20  # a lock just created by O_EXCL is empty until its holder writes it: retry a moment
 
 
@@ -122,9 +129,21 @@ class RunLock:
     path: Path
     holder: dict[str, Any]
     created: bool
+    _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._beat, name="meshtrain-run-lock", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LOCK_BEAT_S):  # the run lives: its lock says so (``_not_refreshed``)
+            try:
+                os.utime(self.path)
+            except OSError:  # removed (released, or by hand): nothing more to say
+                return
 
     def release(self) -> None:
         """Remove the lock if it still names this holder, and an empty folder this claim made."""
+        self._stop.set()
         if _read(self.path) == self.holder:
             self.path.unlink(missing_ok=True)
         if self.created:
@@ -143,15 +162,27 @@ def _refusal(out: Path, path: Path, holder: dict[str, Any], here: str) -> Config
     if holder.get("host") == here:
         return ConfigError(f"run directory {out} is in use by another run: {who} holds {path}; wait for it to "
                            f"end, stop it (kill {holder.get('pid')}), or choose another --out")
-    return ConfigError(f"run directory {out} is in use by another run: {who} holds {path}, and from this host "
-                       f"({here}) it cannot be told whether that process still runs; if you know it has ended, "
-                       f"remove the lock (rm {path}) and start again, else choose another --out")
+    return ConfigError(f"run directory {out} is in use by another run: {who} holds {path} and still refreshes it "
+                       f"(every {LOCK_BEAT_S:g} s while its run lives); wait for it to end, stop it on host "
+                       f"{holder.get('host')}, or choose another --out")
 
 
-def _stale(holder: dict[str, Any], here: str, own_job: bool) -> str | None:
+def _not_refreshed(path: Path) -> bool:
+    """True if the lock's mtime stays the same for ``LOCK_STALE_BEATS`` of its holder's beats."""
+    try:
+        before = path.stat().st_mtime_ns
+        time.sleep(LOCK_BEAT_S * LOCK_STALE_BEATS)
+        return path.stat().st_mtime_ns == before
+    except FileNotFoundError:
+        return False  # released meanwhile: the caller tries again
+
+
+def _stale(path: Path, holder: dict[str, Any], here: str, own_job: bool) -> str | None:
     """Why ``holder`` may be taken over (None: it may not)."""
     if holder.get("host") == here and not _alive(int(holder.get("pid", 0))):
         return "left by a process of this host that no longer runs"
+    if holder.get("host") != here and _not_refreshed(path):
+        return f"its holder has not refreshed it for {LOCK_BEAT_S * LOCK_STALE_BEATS:g} s (its run ended)"
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if own_job and job and holder.get("job") == job:
         return f"left by an earlier attempt of this torchrun job ({job})"
@@ -173,7 +204,7 @@ def acquire(out: str | Path, own_job: bool = False) -> RunLock:
             holder = _read(path)
             if holder is None:  # released meanwhile
                 continue
-            why = _stale(holder, here, own_job) if holder else None
+            why = _stale(path, holder, here, own_job) if holder else None
             if why is None:
                 raise _refusal(out, path, holder, here) from None
             aside = path.with_name(f"{LOCK}.stale-{os.getpid()}")

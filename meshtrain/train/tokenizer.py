@@ -267,6 +267,6 @@ def prepare_data(data: "DataSection", cache: str | Path | None = None) -> tuple[
     """What the trainer needs from ``[data]``: the corpus, its tokenizer and its token ids (each
     from the cache when it was built before). Run it once before starting the ranks, or on every
     rank: the lock makes the others wait for the first."""
-    corpus = open_corpus(data.path, data.max_bytes)
+    corpus = open_corpus(data.path, data.max_bytes, data.text_field)
     tokenizer = load_or_train_tokenizer(data.tokenizer, corpus, data.vocab_size, data.tokenizer_sample_bytes, cache)
     return corpus, tokenizer, tokenize_corpus(corpus, tokenizer, cache)

@@ -25,7 +25,7 @@ from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
-from . import elastic, elastic_world, interrupt, memory_replica, run_dir as run_files
+from . import elastic, elastic_world, interrupt, memory_replica, run_dir as run_files, run_records
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_io import step_dir_name
 from .checkpoint_async import CheckpointSaver
@@ -33,9 +33,10 @@ from .config import Config, TrainSection, model_config, parallel_config, to_dict
 from .config_check import check_algorithm
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
-from .moe_metrics import moe_record, plot_load_balance
+from .moe_metrics import CollapseWatch, moe_record, plot_load_balance
 from .metrics import (MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plan_check, plan_check_line,
                       plot_loss, read_rows)
+from .metrics import line_every
 from .step import StepResult, apply_step, measure_step
 from .tokenizer import prepare_data
 
@@ -45,12 +46,14 @@ class TrainingDiverged(MeshtrainError):
 
 
 def lr_at(step: int, t: TrainSection) -> float:
-    """Learning rate of 1-based ``step``: linear warmup to ``lr`` over ``warmup_steps``, then a
-    cosine decay to ``min_lr`` at ``steps``."""
-    if t.warmup_steps and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    span = max(t.steps - t.warmup_steps, 1)
-    progress = min(max(step - t.warmup_steps, 0) / span, 1.0)
+    """Learning rate of 1-based ``step``: linear warmup to ``lr`` over ``warmup_steps`` (at most
+    ``steps``: a longer warmup is clamped to the run, as the launcher's note says), then a cosine
+    decay to ``min_lr`` at ``steps``."""
+    warmup = min(t.warmup_steps, t.steps)
+    if warmup and step <= warmup:
+        return t.lr * step / warmup
+    span = max(t.steps - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -140,23 +143,30 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     loading = time.perf_counter()
     start_step, saved = _resume(config, ckpt_root, model, opt, loader, scaler, replicas)
     resumed = time.perf_counter()
+    resumed_from = run_files.resumed_checkpoint(config) if saved is not None else None
     elastic_world.begin(run_dir, start_step)
-    logger = None
+    logger, segment = None, 0  # segment: which of the run's segments this is (rank 0's count: keep_config)
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(configured))  # as launched: elastic derives layouts from it
+        # as launched (elastic derives layouts from it); the previous segment's is kept in configs/
+        segment = run_records.keep_config(run_dir, to_toml(configured))
         run_files.write_run_files(run_dir, tokenizer, described)  # the run's tokenizer and data, whatever the cache
         row = None
         if saved is not None and config.elastic.enabled:  # before the logger appends to metrics.jsonl
             row = _elastic_row(config, run_dir, saved, start_step, reshaped, entered, loading, resumed,
                                "memory" if replicas is not None and replicas.restored == start_step else "disk")
-        logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress)
+        if saved is not None:
+            print(run_records.resume_line(resumed_from, start_step, elastic.layout_of_checkpoint(saved), degrees_of(p)),
+                  file=sys.stderr, flush=True)
+        logger = MetricsLogger(run_dir, t.steps, start_step, progress=progress,
+                               print_every=line_every(t.steps, t.log_every, t.print_every))
         if row is not None:
             stops = row.pop("_stops")
             logger.event(row)
             elastic_world.clear_stops(run_dir, stops)
     comm.barrier()  # the run directory exists before anyone writes into it
     start, loss = time.perf_counter(), float("nan")
+    watch = CollapseWatch()  # a mixture of experts: one line when an expert starves (rank 0)
     saver = CheckpointSaver(config.checkpoint.async_save)
     ck, saved_step, stopped, stop_signal = config.checkpoint, -1, 0, 0
 
@@ -192,8 +202,11 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
                               skipped=res.overflow, skipped_steps=scaler.skipped)
             if model.moe_stats is not None:
                 record.update(moe_record(model.moe_stats))
+                collapse = watch.update(record) if logger is not None else None
+                if collapse:  # rank 0, once a run
+                    print(collapse, file=sys.stderr, flush=True)
             if logger is not None and (step % t.log_every == 0 or step == t.steps):
-                logger.log(record)
+                logger.log({**record, "segment": segment})  # a later segment's rows supersede (read_steps)
             if ck.enabled and ((ck.every and step % ck.every == 0) or step == t.steps):
                 saver.save(str(ckpt_root), step, model, opt, keep=ck.keep, extra=extra(step))
                 saved_step = step
@@ -236,7 +249,8 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
     summary = {"steps": t.steps, "final_loss": loss, "params": n_params, "active_params": active_params(cfg),
                "world_size": mesh.world_size, "device": device.type, "vocab_size": cfg.vocab_size,
                "layout": degrees_of(p), "seconds": time.perf_counter() - start,
-               "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads()}
+               "run_dir": str(run_dir), "intra_op_threads": torch.get_num_threads(),
+               **run_records.segment_summary(start_step, t.steps, resumed_from, segment)}
     if scaler is not None:
         summary.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
     if replicas is not None:  # what keeping the step state in host memory cost (this rank's)
@@ -247,8 +261,9 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         # every run checks the planner: its prediction for this layout beside what the run measured
         check = plan_check(config, cfg, device, hist)
         summary.update(check)
-        plot_loss(hist, run_dir / "loss.png", marks=[e["step"] for e in logger.events])
-        plot_load_balance(hist, run_dir / "load_balance.png")
+        whole, marks = run_records.whole_run(run_dir)  # every segment's steps, each once: the whole run
+        plot_loss(whole, run_dir / "loss.png", marks=marks)
+        plot_load_balance(whole, run_dir / "load_balance.png")
         write_json_atomic(str(run_dir / "summary.json"), summary)
         print(plan_check_line(check), flush=True)
     return summary

@@ -72,7 +72,8 @@ def test_missing_and_empty_paths(tmp_path):
 def test_jsonl_errors_name_file_and_line(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    assert _error(f) == f'{f}:2: no "text" field (found: body); each line must be a JSON object like {{"text": "..."}}'
+    assert _error(f) == (f'{f}:2: no "text" field (found: body); each line must be a JSON object like {{"text": "..."}}, '
+                         f'or set data.text_field to the field that holds the text')
     f.write_text('{"text": "ok"}\n{"text": 3}\n')
     assert f'{f}:2: "text" is int, not a string' == _error(f)
     f.write_text('{"text": "ok"}\n\n{oops\n')

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def test_a_second_run_into_a_finished_run_is_refused_and_changes_nothing(run, ca
     before = _files(run)
     assert _train(run) == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshtrain train: error: ") and len(err.splitlines()) == 1, err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("# ")]  # the launcher's notes come first
+    assert lines[0].startswith("meshtrain train: error: ") and len(lines) == 1, err
     for said in (f"run directory {run} already holds a run", "metrics.jsonl", "checkpoints/",
                  "--checkpoint.resume=auto", "--overwrite=true", "another --out"):
         assert said in err, err
@@ -100,11 +102,29 @@ def test_a_held_lock_refuses_by_name_and_a_stale_one_is_taken_over(run, tmp_path
         assert said in err, err
     assert json.loads(lock.read_text()) == live and os.listdir(lock.parent) == [run_dir.LOCK]
 
-    elsewhere = {**live, "host": "another-host"}  # its pid cannot be judged from here
+    # another host's: its pid cannot be judged from here, but a live holder refreshes its lock
+    elsewhere = {**live, "host": "another-host"}
     lock.write_text(json.dumps(elsewhere))
-    assert _train(lock.parent) == 2
+    beating = threading.Event()
+
+    def beat() -> None:
+        while not beating.wait(0.2):
+            os.utime(lock)
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        assert _train(lock.parent) == 2
+    finally:
+        beating.set()
+        beater.join()
     err = capsys.readouterr().err
-    assert "pid " in err and "on host another-host" in err and f"rm {lock}" in err, err
+    assert "pid " in err and "on host another-host" in err and "still refreshes it" in err, err
+    assert _train(lock.parent, "--train.steps=1") == 0  # no longer refreshed: its run ended
+    err = capsys.readouterr().err
+    assert f"taking over the lock {lock} of pid {os.getpid()} on another-host" in err and "its run ended" in err, err
+    shutil.rmtree(lock.parent)
+    lock.parent.mkdir()
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
