@@ -73,6 +73,14 @@ def _when_training(proc: subprocess.Popen, out: Path, timeout: float = 90) -> No
         pytest.fail(f"the run logged no step (exit {proc.poll()}):\n{proc.communicate()[1][-3000:]}")
 
 
+def _training(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A run into ``tmp_path/run`` (``_start``), returned once it is training."""
+    out = tmp_path / "run"
+    proc = _start(out, *extra)
+    _when_training(proc, out)
+    return proc, out
+
+
 def _finish(proc: subprocess.Popen, timeout: float = 60) -> str:
     try:
         return proc.communicate(timeout=timeout)[1]
@@ -109,9 +117,7 @@ def _resume_matches(command: str, out: Path, reference: list[tuple[int, float]])
 
 @pytest.mark.timeout(120)
 def test_sigterm_to_the_launcher_saves_the_step_it_stopped_at(tmp_path, reference):
-    out = tmp_path / "run"
-    proc = _start(out)
-    _when_training(proc, out)
+    proc, out = _training(tmp_path)
     proc.send_signal(signal.SIGTERM)  # to the launcher alone: it passes the stop on to its workers
     err = _finish(proc)
     _, command = _check_stopped(out, err, proc.returncode, signal.SIGTERM)
@@ -120,9 +126,7 @@ def test_sigterm_to_the_launcher_saves_the_step_it_stopped_at(tmp_path, referenc
 
 @pytest.mark.timeout(120)
 def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(tmp_path):
-    out = tmp_path / "run"
-    proc = _start(out)
-    _when_training(proc, out)
+    proc, out = _training(tmp_path)
     workers = _workers(proc.pid)
     assert len(workers) == 4, workers
     os.kill(workers[-1], signal.SIGTERM)  # the others learn of it from the all-reduced stop flag
@@ -132,9 +136,7 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_on_processes_saves_and_ends_in_one_line(tmp_path):
-    out = tmp_path / "run"
-    proc = _start(out)
-    _when_training(proc, out)
+    proc, out = _training(tmp_path)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher and every worker get it
     err = _finish(proc)
     _check_stopped(out, err, proc.returncode, signal.SIGINT)
@@ -167,9 +169,7 @@ def _check_at_once(proc: subprocess.Popen, sent: float) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_exits_at_once_on_processes(tmp_path):
-    out = tmp_path / "run"
-    proc = _start(out)
-    _when_training(proc, out)
+    proc, out = _training(tmp_path)
     workers = _workers(proc.pid)
     os.kill(workers[-1], signal.SIGSTOP)  # a rank that never reaches the step boundary: the stop hangs
     proc.send_signal(signal.SIGINT)
