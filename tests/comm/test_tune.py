@@ -16,12 +16,14 @@ pytestmark = pytest.mark.timeout(120)
 NBYTES = 1 << 16
 
 
-def _skewed_record(monkeypatch, factor):
-    """Scale each recorded time by ``factor(rank, algorithm)``: the rank is this thread's."""
+def _skewed_record(monkeypatch, factor, fixed: float | None = None):
+    """Scale each recorded time by ``factor(rank, algorithm)``: the rank is this thread's. With
+    ``fixed``, the time recorded is ``fixed`` seconds times the factor, whatever the call took: the
+    choice then follows the skew alone, not the algorithms' real times on a loaded host."""
     real = tune.Tuner.record
 
     def record(pending, algorithm, seconds):
-        real(pending, algorithm, seconds * factor(mc.get_rank(), algorithm))
+        real(pending, algorithm, (seconds if fixed is None else fixed) * factor(mc.get_rank(), algorithm))
 
     monkeypatch.setattr(tune.Tuner, "record", staticmethod(record))
 
@@ -60,7 +62,9 @@ def test_members_keep_one_choice_when_their_own_timings_disagree(monkeypatch):
         order = cands.get(rank)
         return 0.05 if order and order[rank % 3] == algo else 1.0
 
-    _skewed_record(monkeypatch, factor)
+    # fixed times: with real ones, a candidate whose own calls ran a third faster on a busy host beat
+    # the static choice's margin, and its verification pass left two candidates timed
+    _skewed_record(monkeypatch, factor, fixed=1e-3)
 
     def fn(rank):
         g = mc.current().world
