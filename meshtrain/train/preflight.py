@@ -38,9 +38,6 @@ Measured on the project's 2-core VM (test model, dp-only): 16 processes start, 2
 not, and 32 start with the heartbeat off (``MESHTRAIN_HEARTBEAT=0``): the limit is that timeout,
 not the store's listen backlog (4096) or the elastic launcher."""
 
-FP16_CPU_SLOWDOWN = 17
-"""fp16 against bf16 step time on a CPU, measured on the project's 2-core VM (issue 56): torch's
-CPU matmuls have no fast float16 path."""
 
 PLAN_ERROR = {"profiled": 0.25, "roofline": 0.5}
 """The error the planner states for its step-time prediction (docs/plan.md), by how the blocks
@@ -114,7 +111,7 @@ def config_notes(config: "Config", cpu: bool) -> list[str]:
                         f"shards nothing and saves no memory; set parallel.zero_stage = 0, or parallel.dp > 1"))
     if cpu and t.precision == "fp16":
         out.append(note(f"train.precision = 'fp16' on the CPU: torch's CPU kernels have no fast float16 path "
-                        f"(measured about {FP16_CPU_SLOWDOWN}x slower than bf16 on a 2-core host); use "
+                        f"(it runs many times slower than bf16); use "
                         f"--train.precision=bf16 (the same memory, fp32's range, no loss scaling)"))
     return out
 
@@ -236,5 +233,5 @@ def plan_remark(check: dict[str, Any]) -> str | None:
                 f"(\"Every run checks the planner\")")
 
 
-__all__ = ["FP16_CPU_SLOWDOWN", "PLAN_ERROR", "STORE_RANKS_PER_CORE", "check_machine", "config_notes", "data_summary",
+__all__ = ["PLAN_ERROR", "STORE_RANKS_PER_CORE", "check_machine", "config_notes", "data_summary",
            "host_cores", "note", "on_cpu", "plan_remark", "print_lines", "repeated_batches", "report", "vocab_note"]

@@ -71,7 +71,7 @@ def test_ranks_beyond_the_cores_are_warned_with_the_cost_and_threads_are_not_ref
 
 def test_fp16_on_a_cpu_is_warned_and_bf16_suggested():
     (line,) = preflight.config_notes(_config("--train.precision=fp16"), cpu=True)
-    assert "train.precision = 'fp16' on the CPU" in line and "--train.precision=bf16" in line and "17x" in line
+    assert "train.precision = 'fp16' on the CPU" in line and "--train.precision=bf16" in line
     assert preflight.config_notes(_config("--train.precision=fp16"), cpu=False) == []
     assert preflight.config_notes(_config("--train.precision=bf16"), cpu=True) == []
 
