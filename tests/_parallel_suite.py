@@ -29,13 +29,14 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 SLOWEST_FIRST = (
     "tests/hosts/test_elastic_hosts.py", "tests/cluster/test_slurm.py", "tests/hosts/test_kill_across_hosts.py",
-    "tests/parallel/test_parity.py", "tests/hosts/test_training_across_hosts.py",
+    "tests/parallel/test_parity.py", "tests/hosts/test_training_across_hosts.py", "tests/test_readme.py",
+    "tests/hosts/test_interrupt_across_hosts.py",
     "tests/parallel/test_autocast_compile.py", "tests/train/test_trainer.py",
     "tests/hosts/test_collectives_across_hosts.py", "tests/train/test_elastic.py", "tests/comm/test_gloo_processes.py",
     "tests/reliability/test_bad_input.py", "tests/train/test_checkpoint.py", "tests/plan/test_bench_plan.py",
     "tests/reliability/test_bad_launch_env.py", "tests/train/test_restart.py", "tests/comm/test_shm_failures.py",
 )
-"""The files that took 23-90 s each on a 2-core VM (``--durations=0``, session 27), slowest first."""
+"""The files that take 23-120 s each on a 2-core VM (``--durations=0``), about slowest first."""
 
 
 SHARED_ENV = "MESHTRAIN_SUITE_SHARED_TMP"

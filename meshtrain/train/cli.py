@@ -63,8 +63,8 @@ def _main(args: argparse.Namespace, overrides: list[str], seen: dict) -> int:
     from . import interrupt
     from .config import load_config, to_toml, validate
     from .launch import launch
-    from .metrics import plan_check_line, profiled_plan_check, profiles_after
-    from .preflight import plan_remark
+    from .metrics import profiled_plan_check, profiles_after
+    from .preflight import plan_lines
     from .run_records import trained_words
 
     try:
@@ -101,11 +101,7 @@ def _main(args: argparse.Namespace, overrides: list[str], seen: dict) -> int:
         print(f"# planner: timing the model's blocks at the run's shapes for its check "
               f"(train.plan_check = {config.train.plan_check!r})", flush=True)
         summary = profiled_plan_check(config, summary)
-        print(plan_check_line(summary), flush=True)
-    remark = plan_remark(summary)  # the last prediction (profiled, else the ranks' cached one) off by more than it states
-    if remark:
-        print(remark, file=sys.stderr, flush=True)
-    # (the planner's figures are its `# planner:` line's, printed once above, not repeated here)
+    plan_lines(summary)  # once: the timed prediction where there is one, else the ranks' cached one
     print(f"# trained {trained_words(summary)} of a {summary['params'] / 1e6:.1f}M-parameter model on "
           f"{summary['world_size']} ranks ({', '.join(f'{k}={v}' for k, v in summary['layout'].items())}) in "
           f"{summary['seconds']:.0f} s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "

@@ -90,7 +90,7 @@ def worker(config_dict: dict[str, Any], progress: bool = True, own_run_dir: bool
     try:
         # SIGINT / SIGTERM: every rank saves at the next step boundary; a second SIGINT ends it at once
         with interrupt.guard(stopping=True, at_once=lambda signum: _worker_exit_now(config, signum)):
-            return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0)
+            return train(config, progress=progress and int(os.environ.get("RANK", "0")) == 0, report=own_run_dir)
     except BaseException as exc:
         failure = exc  # the other ranks are told at once, not at their next collective's timeout
         exit_within(EXIT_GRACE_S, exit_code(exc))
@@ -319,4 +319,8 @@ def main_torchrun(argv: list[str] | None = None) -> int:
             line = interrupt.stopped_line(summary, resume=interrupt.resume_command(), elastic_run=config.elastic.enabled)
             print(f"meshtrain.train: {line}", file=sys.stderr)
         return int(summary.get("exit_code", elastic.EXIT_PREEMPTED))
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        from . import preflight
+
+        preflight.plan_lines(summary)
     return 0

@@ -262,7 +262,9 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb: Any = SummaryWriter(str(run_dir / "tensorboard"))
+            # a resume from an earlier step than the last logged: TensorBoard hides the replaced steps'
+            # events (those from start_step + 1 on), as metrics.read_steps keeps each step's latest row
+            self.tb: Any = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         except ImportError:  # tensorboard is a dependency; a broken install should not stop training
             self.tb = None
         self.bar = None

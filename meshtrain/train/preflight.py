@@ -5,8 +5,9 @@ ranks cannot start at all), the config's no-ops and traps (``config_notes``: a w
 the run, ZeRO with one rank to shard over, fp16 on a CPU), the data the run will see
 (``data_summary``: files, documents, tokens, samples, epochs, repeats within a batch) and the
 tokenizer's vocabulary against the one asked (``vocab_note``). After: the planner's prediction
-against the measured step (``plan_remark``). The launcher prints these once (``report``); the
-ranks print nothing of it. Each note is one line, ``# preflight: ...`` or ``# data: ...``, on
+against the measured step (``plan_lines``, ``plan_remark``). The launcher prints these once
+(``report``, ``plan_lines``); under torchrun, where no launcher holds the data, rank 0 does
+(``torchrun_report``). Each note is one line, ``# preflight: ...`` or ``# data: ...``, on
 stderr beside the project's other notes (``# DataParallel bucket_cap_mb auto: ...``).
 
 Everything here is a pure function of the config and what the launcher already holds, so the
@@ -207,6 +208,17 @@ def report(config: "Config", n: int, threads: bool, corpus: "Corpus", tokenizer:
     return lines
 
 
+def torchrun_report(config: "Config", corpus: "Corpus", tokenizer: "Tokenizer", tokens: "np.ndarray",
+                    local_world: int, cores: int | None = None) -> list[str]:
+    """``report`` for rank 0 of a torchrun job, where the processes have started already: the same
+    notes, with rank 0's host (``local_world`` processes) against its cores; no refusal."""
+    cpu = on_cpu(config)
+    lines = check_machine(local_world, True, cpu, host_cores() if cores is None else cores)
+    lines += config_notes(config, cpu) + vocab_note(config, tokenizer) + data_summary(config, corpus, tokenizer, tokens)
+    print_lines(lines)
+    return lines
+
+
 def print_lines(lines: Sequence[str]) -> None:
     """Each line to stderr, flushed (before the ranks' own output)."""
     for line in lines:
@@ -233,5 +245,19 @@ def plan_remark(check: dict[str, Any]) -> str | None:
                 f"(\"Every run checks the planner\")")
 
 
+def plan_lines(summary: dict[str, Any]) -> None:
+    """After the run: its ``# planner:`` line (stdout) and ``plan_remark`` (stderr), once, by the
+    process that launched the ranks (``meshtrain train``'s, or rank 0 under torchrun); nothing for a
+    segment that trained no step (no check in ``summary``)."""
+    from .metrics import plan_check_line
+
+    if "measured_step_s" not in summary:
+        return
+    print(plan_check_line(summary), flush=True)
+    remark = plan_remark(summary)
+    if remark:
+        print(remark, file=sys.stderr, flush=True)
+
+
 __all__ = ["PLAN_ERROR", "STORE_RANKS_PER_CORE", "check_machine", "config_notes", "data_summary",
-           "host_cores", "note", "on_cpu", "plan_remark", "print_lines", "repeated_batches", "report", "vocab_note"]
+           "host_cores", "note", "on_cpu", "plan_lines", "plan_remark", "print_lines", "repeated_batches", "report", "torchrun_report", "vocab_note"]

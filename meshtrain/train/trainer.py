@@ -25,7 +25,7 @@ from ..mesh import Mesh
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
-from . import elastic, elastic_world, interrupt, memory_replica, run_dir as run_files, run_records
+from . import elastic, elastic_world, interrupt, memory_replica, preflight, run_dir as run_files, run_records
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpoint_io import step_dir_name
 from .checkpoint_async import CheckpointSaver
@@ -34,7 +34,7 @@ from .config_check import check_algorithm
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .moe_metrics import CollapseWatch, moe_record, plot_load_balance
-from .metrics import (MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plan_check, plan_check_line,
+from .metrics import (MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plan_check,
                       plot_loss, read_rows)
 from .metrics import line_every
 from .step import StepResult, apply_step, measure_step
@@ -74,14 +74,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def train(config: Config, progress: bool = True) -> dict[str, Any]:
-    """Train as configured; returns the run's summary (the same on every rank)."""
+def train(config: Config, progress: bool = True, report: bool = False) -> dict[str, Any]:
+    """Train as configured; returns the run's summary (the same on every rank). ``report``: rank 0
+    prints the preflight notes (under torchrun, where no launcher did)."""
     check_same_config(config)  # first: ranks that differ in comm.algorithm get this error, not a mismatch
     c = comm.current()
     previous = c.preferred_algorithm
     c.preferred_algorithm = preferred_algorithm(config, c.transport.kind)
     try:
-        return _train(config, progress)
+        return _train(config, progress, report)
     finally:  # a thread's communicator may outlive the run (comm.run_local)
         c.preferred_algorithm = previous
 
@@ -96,10 +97,12 @@ def preferred_algorithm(config: Config, transport_kind: str) -> str | None:
     return None if name == "auto" else name
 
 
-def _train(config: Config, progress: bool) -> dict[str, Any]:
+def _train(config: Config, progress: bool, report: bool) -> dict[str, Any]:
     entered = time.perf_counter()
     configured = config
     corpus, tokenizer, tokens = prepare_data(config.data)
+    if report and comm.get_rank() == 0:
+        preflight.torchrun_report(config, corpus, tokenizer, tokens, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     # elastic: the layout for the ranks this run got (the configured one when they match)
     config, reshaped = elastic.effective_config(config, comm.get_world_size(), tokenizer.vocab_size)
     if reshaped and comm.get_rank() == 0:
@@ -264,8 +267,7 @@ def _train(config: Config, progress: bool) -> dict[str, Any]:
         whole, marks = run_records.whole_run(run_dir)  # every segment's steps, each once: the whole run
         plot_loss(whole, run_dir / "loss.png", marks=marks)
         plot_load_balance(whole, run_dir / "load_balance.png")
-        write_json_atomic(str(run_dir / "summary.json"), summary)
-        print(plan_check_line(check), flush=True)
+        write_json_atomic(str(run_dir / "summary.json"), summary)  # its `# planner:` line is the launcher's, once
     return summary
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,15 @@ def _run_job(cluster: SimulatedSlurm, work: Path, script: Path) -> tuple[str, di
     return job, cluster.wait(job, JOB_TIMEOUT)
 
 
+def _outside_exit_barrier(log: str) -> str:
+    """``log`` without torch's agent's report of a failed exit barrier: a job step's agents meet once
+    their workers are done, and under load the agent that hosts the store can leave first, so
+    another agent's last read fails and torch logs it (its ``logger.exception``, one prefix per line)
+    after the job's work is done; nothing of meshtrain's."""
+    marks = {m.group(1) for m in re.finditer(r"(agent/server/api\.py:\d+\]) Error waiting on exit barrier", log)}
+    return "\n".join(ln for ln in log.splitlines() if not any(m in ln for m in marks))
+
+
 @pytest.mark.timeout(200)
 def test_scancel_leaves_a_checkpoint_that_a_new_job_resumes(cluster, work):
     run = work / "cancelled"
@@ -127,4 +137,4 @@ def test_scancel_leaves_a_checkpoint_that_a_new_job_resumes(cluster, work):
     assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
     latest_now = (run / "checkpoints" / "latest").read_text().strip()
     assert latest_now.endswith(f"{STEPS:08d}") and (run / "checkpoints" / latest_now / "metadata.json").is_file()
-    assert "Traceback" not in _log(work, job2)
+    assert "Traceback" not in _outside_exit_barrier(_log(work, job2))

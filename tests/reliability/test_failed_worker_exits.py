@@ -20,7 +20,7 @@ import meshtrain.train.trainer as trainer
 from meshtrain.errors import ConfigError
 from meshtrain.train.launch import main_torchrun
 
-def train(config, progress=True):
+def train(config, progress=True, report=False):
     pool = concurrent.futures.ThreadPoolExecutor(1)
     pool.submit(threading.Event().wait)  # never set: a collective whose peer never comes
     raise ConfigError("bad input found mid-run; fix: none, this is a test")

@@ -177,6 +177,33 @@ def test_a_finished_run_prints_the_planner_and_the_data_once(tmp_path, capsys):
     assert [x.split(":")[0] for x in got.out.splitlines() if x.startswith("# step")] == ["# step 1/2", "# step 2/2"]
 
 
+@pytest.mark.timeout(120)
+def test_under_torchrun_rank_0_prints_the_notes_and_the_planner_once(tmp_path):
+    """``python -m meshtrain.train`` as torchrun starts its workers (two ranks on this host), where
+    no launcher prints the preflight: rank 0 does, once, and the planner line once."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = [a for a in SMALL if a not in ("--no-progress", "--comm.transport=local")]
+    argv = [sys.executable, "-m", "meshtrain.train", f"--out={tmp_path / 'run'}", "--train.steps=2", *config,
+            "--parallel.dp=2", "--parallel.tp=1", "--comm.backend=gloo", "--train.device=cpu"]
+    procs = [subprocess.Popen(argv, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    (out0, err0), (out1, err1) = outs
+    assert sum(x.startswith("# data: ") for x in err0.splitlines()) == 1, err0
+    assert sum("warmup" in x for x in err0.splitlines()) == 1, err0  # 2 steps under the default warmup of 15
+    assert sum(x.startswith("# planner:") for x in out0.splitlines()) == 1, out0
+    assert "# data: " not in err1 and "# preflight" not in err1 and "# planner" not in out1  # rank 1: nothing
+
+
 # -- 9: routing collapse ------------------------------------------------------------------------------
 
 def test_routing_collapse_is_warned_once_naming_the_layer_and_experts():

@@ -84,6 +84,24 @@ def test_replayed_steps_appear_once_through_the_reader_and_the_plots(resumed):
 
 
 @pytest.mark.timeout(150)
+def test_tensorboard_shows_each_replayed_step_once_the_latest(resumed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = resumed
+    tb = EventAccumulator(str(run / "tensorboard"))  # reads every events file, as TensorBoard's own loader does
+    tb.Reload()
+    shown = [(e.step, e.value) for e in tb.Scalars("loss")]
+    want = [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in read_steps(run / "metrics.jsonl")]
+    assert shown == want  # steps 1-15 once each; 6-10 with the resumed segment's losses
+
+
+@pytest.mark.timeout(150)
+def test_the_planner_line_is_printed_once(resumed):
+    _, proc = resumed
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("# planner:")]) == 1, proc.stdout
+
+
+@pytest.mark.timeout(150)
 def test_each_segments_config_is_kept(resumed):
     run, _ = resumed
     first = tomllib.loads((run / "configs" / "config.seg1.toml").read_text())
