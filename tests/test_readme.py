@@ -2,11 +2,13 @@
 complete ``meshtrain`` command in its prose, is either run here or named in ``NOT_HERE`` with the
 test that runs it instead, so an example added to the README without a test fails this file.
 
-The ``meshtrain train`` examples run with their flags as written, in a fresh directory, with one
-flag appended: ``--train.steps`` capped at ``CAP`` (a later flag wins), since their 50-120 steps
-would cost the suite minutes and the flags, the layout's start and its files are what the README
-promises. The resume example continues the first one (its ``my.toml`` is that run's config.toml).
-The Python blocks run unchanged in a subprocess each.
+The ``meshtrain train`` examples run with their flags as written, through the ``meshtrain``
+command's own entry point (``meshtrain.cli.main``, in this process: an interpreter per example
+would cost the suite seconds each), in a fresh directory, with one flag appended:
+``--train.steps`` capped at ``CAP`` (a later flag wins), since their 50-120 steps would cost the
+suite minutes and the flags, the layout's start and its files are what the README promises. The
+resume example continues the first one (its ``my.toml`` is that run's config.toml). The other
+commands and the Python blocks run unchanged in a subprocess each.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MESHTRAIN = str(Path(sys.executable).parent / "meshtrain")  # what `.venv/bin/meshtrain` is in the checkout
-CAP = 3
+CAP = 2
 
 NOT_HERE = {
     ("make", "run"): "the README's main job: a fresh clone runs it before an issue is resolved",
@@ -73,6 +75,19 @@ def _run(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.Complet
     return proc
 
 
+def _train(argv: list[str], cwd: Path, monkeypatch, capfd) -> tuple[str, str]:
+    """``argv`` (a ``meshtrain train`` command) through the CLI's entry point in ``cwd``: the
+    launcher's stdout and stderr, which must hold no error."""
+    from meshtrain.cli import main
+
+    monkeypatch.chdir(cwd)
+    rc = main(argv[1:])
+    out, err = capfd.readouterr()
+    assert rc == 0, f"{shlex.join(argv)} exited {rc}:\n{err[-3000:]}"
+    assert "Traceback" not in err and "error" not in err.lower(), err[-3000:]
+    return out, err
+
+
 def _steps(run: Path) -> list[int]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return [r["step"] for r in rows if "loss" in r]
@@ -87,7 +102,7 @@ def test_every_readme_command_is_run_here_or_named_with_its_test():
 
 
 @pytest.mark.timeout(240)
-def test_the_training_examples_run_as_written(tmp_path):
+def test_the_training_examples_run_as_written(tmp_path, monkeypatch, capfd):
     cwd = tmp_path / "work"
     cwd.mkdir()
     texts = cwd / "my_texts"  # the reader's own data: a text file and a jsonl file
@@ -98,28 +113,29 @@ def test_the_training_examples_run_as_written(tmp_path):
     printed, exp1, resume, own, moe = [a for a in _commands() if _key(a) == ("meshtrain", "train")]
 
     assert printed[2:] == ["--print-config"]
-    config = tomllib.loads(_run(printed, cwd).stdout)
+    config = tomllib.loads(_train(printed, cwd, monkeypatch, capfd)[0])
     assert {"model", "data", "train", "parallel", "comm", "checkpoint"} <= set(config)
 
-    _run([*exp1, f"--train.steps={CAP}"], cwd)
+    _train([*exp1, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
     run = cwd / "runs" / "exp1"
     assert _steps(run) == list(range(1, CAP + 1)) and (run / "checkpoints" / f"step-{CAP:08d}").is_dir()
 
     assert resume[2:4] == ["--config", "my.toml"]
     shutil.copy(run / "config.toml", cwd / "my.toml")  # the run just made, continued from its checkpoint
-    said = _run([*resume, f"--train.steps={CAP + 2}"], cwd).stderr
-    assert f"# resumed from {run / 'checkpoints' / f'step-{CAP:08d}'}" in said, said[-3000:]
+    _train([*resume, f"--train.steps={CAP + 2}"], cwd, monkeypatch, capfd)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == str(run / "checkpoints" / f"step-{CAP:08d}"), summary
     assert _steps(run) == list(range(1, CAP + 3))
 
     assert any(a.startswith("--data.path=my_texts") for a in own)
-    _run([*own, f"--train.steps={CAP}"], cwd)
+    _train([*own, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
     [dated] = [p for p in (cwd / "runs").iterdir() if p.name != "exp1"]  # runs/<date-time>
     assert _steps(dated) == list(range(1, CAP + 1))
     data = json.loads((dated / "data.json").read_text())["data"]
     assert data["path"] == str(texts) and (dated / "tokenizer.json").is_file()
 
     shutil.rmtree(cwd / "runs")
-    _run([*moe, f"--train.steps={CAP}"], cwd)
+    _train([*moe, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
     [dated] = list((cwd / "runs").iterdir())
     assert _steps(dated) == list(range(1, CAP + 1)) and (dated / "load_balance.png").is_file()
 
