@@ -257,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {m:16s} {res['step_s'][m] * 1e3:9.2f}   {res['ratio'][m]:12.2f}   {trials}")
     print(f"# final weights equal in all three: {res['same_weights']}")
     if args.json_path:
-        from .report import write_json_atomic
+        from ..files import write_json_atomic
 
         write_json_atomic(args.json_path, {"config": {k: v for k, v in vars(args).items() if k != "func"},
                                            "step_s": res["step_s"], "trials_step_s": res["trials_step_s"],
@@ -320,7 +320,7 @@ def _main_layouts(args: argparse.Namespace) -> int:
           f"{LOSS_RTOL:g} relative elsewhere (gloo adds > 2 members in its own order); comm ms/step: the mean "
           f"rank's time inside collectives and p2p waits per timed step (waits for slower peers included)")
     if args.json_path:
-        from .report import write_json_atomic
+        from ..files import write_json_atomic
 
         write_json_atomic(args.json_path, {"config": {k: v for k, v in vars(args).items() if k != "func"},
                                            "model": dataclasses.asdict(cfg), "layouts": res})

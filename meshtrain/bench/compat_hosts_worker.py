@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ..files import write_json_atomic
 from . import compat_llama
 from .comm_clock import CommClock
-from .report import write_json_atomic
 
 
 def main(argv: list[str] | None = None) -> int:

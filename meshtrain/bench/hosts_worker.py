@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from ..files import write_json_atomic
 from .comm import DTYPES, rank_main
-from .report import write_json_atomic
 
 
 def auto_choices(op: str, sizes: list[int], dtype: str) -> dict[int, str]:

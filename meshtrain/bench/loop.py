@@ -122,7 +122,7 @@ def _in_a_thread(fn: Any, *args: Any, name: str = "plain-loop") -> Any:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Alternate trials of both sides; per-trial and median tokens/s, MFU and the ratio."""
     from ..train.config import model_config
-    from ..train.metrics import device_peak
+    from ..hardware import device_peak
     from ..train.tokenizer import prepare_data
     from ..train.trainer import resolve_device
 
@@ -183,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
     lo, hi = result["ratio_range"]
     print(f"ratio meshtrain/plain: median {m['ratio']:.3f} over {args.trials} trials (range {lo:.3f}-{hi:.3f})")
     if args.json_path:
-        from .report import write_json_atomic
+        from ..files import write_json_atomic
 
         write_json_atomic(args.json_path, {"config": {k: v for k, v in vars(args).items() if k != "func"},
                                            **result})

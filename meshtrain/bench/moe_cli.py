@@ -152,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
         out["train"] = r
         print_train(r, c, time.perf_counter() - t0)
     if args.json_path:
-        from .report import write_json_atomic
+        from ..files import write_json_atomic
 
         write_json_atomic(args.json_path, _jsonable(out))
         print(f"# wrote {args.json_path}")

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from ..comm.transport import registry
+from ..files import write_json_atomic
 from ..models.llama import PRESETS
 from .pipeline import COMPUTE
-from .report import write_json_atomic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

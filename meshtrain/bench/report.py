@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Iterable
+
+from ..files import write_json_atomic
 
 # nccl-tests' bus-bandwidth factors: busbw = algbw * factor(n)
 BUSBW_FACTOR = {
@@ -57,16 +58,6 @@ def row(rec: dict[str, Any]) -> str:
     return (f"{rec['size']:>12d}  {rec['count']:>12d}  {_TYPE_NAMES.get(rec['dtype'], rec['dtype']):>8s}"
             f"  {rec['redop']:>6s}  {rec['root']:>6d}  {rec['time_us']:>7.1f}  {rec['algbw']:>6.2f}"
             f"  {rec['busbw']:>6.2f}  {rec['wrong']:>5d}")
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to a temporary file beside ``path``, then rename it: a reader (or a
-    crash) never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def write_json(records: Iterable[dict[str, Any]], path: str, extra: dict[str, Any] | None = None) -> None:

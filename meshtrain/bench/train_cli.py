@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Any
 
+from ..files import write_json_atomic
 from ..models.llama import PRESETS
-from .report import write_json_atomic
 from .train import IMPLS, PEER
 
 

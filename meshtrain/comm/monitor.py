@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from ..files import write_atomic
 from .deadlock import Call, WaitState
 
 
@@ -111,8 +111,5 @@ class Monitor:
 
     def dump(self, path: str) -> str:
         """Write the flight recorder as JSON (atomically: temp file, then rename). Returns the path."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "records": self.records()}, f, indent=1)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"rank": self.rank, "records": self.records()}, indent=1))
         return path

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..files import cache_dir, write_json_atomic
 from . import check_board
 from .algorithms import REGISTRY, algorithms_for, shm_direct
 from .algorithms.base import Ctx
@@ -107,9 +107,9 @@ def default_model(kind: str) -> CostModel:
 
 
 def cache_path() -> Path:
-    """Where fitted models are cached: $MESHTRAIN_CACHE_DIR or ~/.cache/meshtrain."""
-    root = os.environ.get("MESHTRAIN_CACHE_DIR") or os.path.join(Path.home(), ".cache", "meshtrain")
-    return Path(root) / "calibration.json"
+    """Where fitted models are cached: ``calibration.json`` in ``files.cache_dir()``
+    ($MESHTRAIN_CACHE_DIR or ~/.cache/meshtrain)."""
+    return cache_dir() / "calibration.json"
 
 
 def _cache_key(group) -> str:
@@ -135,9 +135,7 @@ def _save_cached(key: str, value: Any) -> None:
         except (OSError, ValueError):
             data = {}
         data[key] = value
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, data)
     except OSError:
         pass  # a cache we cannot write only costs a re-measurement
 

@@ -23,7 +23,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from ..train.metrics import step_summary
 from .architectures import resolve_model
 from .clusters import Cluster
 from .corun import stop as stop_profiling
@@ -31,6 +30,7 @@ from .host import this_host
 from .layout import parse_layout
 from .profile import block_seconds, head_seconds, optimizer_seconds
 from .profile_parallel import collective_latency, parallel_block_seconds
+from .run_check import step_summary
 from .step import predict
 
 PROFILES = (block_seconds, head_seconds, optimizer_seconds, parallel_block_seconds, collective_latency)

@@ -1,7 +1,7 @@
 """``meshtrain bench plan --collect DIR ...``: every ``meshtrain train`` run is a validation row.
 
 A run writes the planner's prediction for its own layout beside what it measured into its
-summary.json (``train.metrics.plan_check``). This gathers those files under the given directories
+summary.json (``plan.run_check.plan_check``). This gathers those files under the given directories
 into one table (run, cluster, layout, predicted and measured step time and peak memory, their
 ratios) and the error over the runs that have a prediction: the median and worst absolute
 relative error of step time and of memory. Runs without a prediction are listed with the reason.

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..train.metrics import flops_per_token
+from ..models.flops import flops_per_token
 from .architectures import Arch
 from .attention_unfused import unfused_attention_seconds
 from .clusters import FA2_OVER_FA1, Cluster

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..comm.select import CostModel, cache_path, default_model
 from ..config.model import PRESETS
+from ..files import cache_dir, write_json_atomic
 from .architectures import from_llama_config
 from .clusters import GiB, Cluster, Level
 
@@ -32,8 +33,6 @@ BANDWIDTH_ELEMENTS = 1 << 20
 
 
 def _cache_file(name: str) -> Path:
-    from ..train.tokenizer import cache_dir  # $MESHTRAIN_CACHE_DIR, else ~/.cache/meshtrain
-
     return cache_dir() / name
 
 
@@ -46,10 +45,8 @@ def _cached(name: str, key: str) -> float:
 
 
 def _store(name: str, key: str, value: float) -> None:
-    from ..bench.report import write_json_atomic
-
     with contextlib.suppress(OSError):  # a read-only home only costs a re-measurement next time
-        write_json_atomic(str(_cache_file(name)), {"key": key, "value": value})
+        write_json_atomic(_cache_file(name), {"key": key, "value": value})
 
 
 def _key() -> str:
@@ -130,7 +127,7 @@ def measure_runtime_memory() -> float:
 def import_memory() -> float:
     """Peak resident bytes of a fresh interpreter that has imported meshtrain's trainer (and torch):
     the floor of ``measure_runtime_memory``, used when its training run cannot be made."""
-    code = "import meshtrain.train.trainer; from meshtrain.train.metrics import resident_peak_bytes as r; print(r())"
+    code = "import meshtrain.train.trainer; from meshtrain.hardware import resident_peak_bytes as r; print(r())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     return float(out.stdout.split()[-1])
 
@@ -153,7 +150,7 @@ def this_host(peak: float | None = None, bandwidth: float | None = None, base_me
     may be given instead, for tests). The ranks split the cores, the bandwidth and the RAM."""
     import torch
 
-    from ..train.metrics import device_peak
+    from ..hardware import device_peak
 
     model = cached_cost_model()
     host_peak = peak if peak is not None else device_peak(torch.device("cpu"))
@@ -179,7 +176,7 @@ def cached_this_host() -> Cluster | None:
     one is missing. Blocks are priced by the roofline (``profile_compute`` off), since profiling
     them is a measurement of its own (seconds). For a training run's check of the planner, which
     must not hold the run up."""
-    from ..train.metrics import cached_cpu_peak
+    from ..hardware import cached_cpu_peak
 
     key = _key()
     peak, rate, base = (cached_cpu_peak(), _cached("host_bandwidth.json", key),

@@ -3,12 +3,11 @@ time broken into compute, exposed communication per dimension and bubble."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..files import atomic_path
 from .step import Prediction
 
 CHART_FORMATS = (".png", ".svg", ".pdf")
@@ -71,14 +70,11 @@ def chart(preds: list[Prediction], path: Path, title: str = "") -> Path:
     ax.tick_params(axis="y", labelsize="x-small")
     fig.tight_layout()
     # a temporary file renamed into place: a failed write leaves no partial chart
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format=path.suffix[1:])  # the temporary name has no format suffix
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise ConfigError(f"--chart {path}: cannot write it ({e}); give a writable path") from e
     finally:
         plt.close(fig)

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, Iterable
 import torch
 
 from ..errors import CheckpointError
+from ..files import atomic_path
 
 FORMAT, VERSION = "meshtrain.checkpoint", 2
 READABLE = (1, 2)  # format versions this code loads
@@ -146,10 +147,10 @@ def write_durable_stream(path: str, chunks: Iterable[Any], size: int) -> str:
 
 
 def replace_durable(path: str, data: bytes) -> None:
-    """Atomically replace ``path`` by ``data`` (temp file in the same dir, fsync, os.replace)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    write_durable(tmp, data)
-    os.replace(tmp, path)
+    """Atomically replace ``path`` by ``data``: written to ``files.atomic_path``'s temporary file by
+    ``write_durable`` (fsynced; a full disk said so), renamed, and the directory fsynced."""
+    with atomic_path(path) as tmp:
+        write_durable(tmp, data)
     fsync_dir(os.path.dirname(path) or ".")
 
 

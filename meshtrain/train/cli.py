@@ -63,7 +63,7 @@ def _main(args: argparse.Namespace, overrides: list[str], seen: dict) -> int:
     from . import interrupt
     from .config import load_config, to_toml, validate
     from .launch import launch
-    from .metrics import profiled_plan_check, profiles_after
+    from ..plan.run_check import profiled_plan_check, profiles_after
     from .preflight import plan_lines
     from .run_records import trained_words
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import procfs
+from ..files import write_atomic
 
 STOPS_DIR = "elastic"
 """The directory of the run directory that holds the stop marks between two worlds."""
@@ -94,9 +95,7 @@ def write_stop(run_dir: str | os.PathLike, rank: int, world: int, why: str) -> P
     try:
         path = _mark_path(run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(mark))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(mark))
         return path
     except OSError:
         return None

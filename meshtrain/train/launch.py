@@ -199,7 +199,7 @@ def launch(config: Config, max_restarts: int = 0, progress: bool = True, world: 
 
         print(describe(choose_layout(config, tokenizer.vocab_size)), file=sys.stderr, flush=True)
     if config.train.device in ("cpu", "auto") and not torch.cuda.is_available():
-        from .metrics import device_peak
+        from ..hardware import device_peak
 
         device_peak(torch.device("cpu"))  # measure the CPU peak while the machine is still quiet
     n = world_size(config) if world is None else world

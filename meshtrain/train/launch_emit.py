@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config.dims import DEGREES
 from ..errors import ConfigError, MeshtrainError
+from ..files import write_atomic
 from . import elastic_launch
 
 EMITTERS = ("slurm", "k8s")
@@ -373,14 +374,9 @@ def to_yaml(obj: Any) -> list[str]:
 def _write_atomic(path: str, text: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     _need(os.path.isdir(parent), f"--out {path!r}: directory {parent!r} does not exist; create it first")
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise ConfigError(f"--out {path!r}: cannot write it ({e.strerror}); choose another path") from None
 
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import CheckpointError
+from ..files import write_atomic
 from .checkpoint import agree_or_raise, checkpoint_meta, collect_pieces, commit_shards, latest_checkpoint
 from .checkpoint_io import STEP_RE, step_dir_name, to_json, write_durable, write_rank_shard
 
@@ -74,9 +75,7 @@ def run_id(run_dir: str | os.PathLike) -> str:
     with contextlib.suppress(OSError):
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(secrets.token_hex(6))
-    os.replace(tmp, path)
+    write_atomic(path, secrets.token_hex(6))
     return path.read_text().strip()
 
 

@@ -9,10 +9,10 @@ and the raw tokens per expert (``moe_tokens``). ``plot_load_balance`` draws ``lo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_path
 from ..models.moe import MoEStats
 
 
@@ -67,10 +67,9 @@ def plot_load_balance(history: list[dict[str, Any]], path: Path) -> None:
     hm.set_title(f"tokens per expert, step {steps[-1]}", fontsize=9)
     fig.colorbar(im, ax=hm)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")  # the temporary name has no .png to go by
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 COLLAPSE_SHARE = 0.1

@@ -249,7 +249,7 @@ def plan_lines(summary: dict[str, Any]) -> None:
     """After the run: its ``# planner:`` line (stdout) and ``plan_remark`` (stderr), once, by the
     process that launched the ranks (``meshtrain train``'s, or rank 0 under torchrun); nothing for a
     segment that trained no step (no check in ``summary``)."""
-    from .metrics import plan_check_line
+    from ..plan.run_check import plan_check_line
 
     if "measured_step_s" not in summary:
         return

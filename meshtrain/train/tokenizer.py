@@ -2,7 +2,7 @@
 
 Either a byte-level BPE trained locally with Hugging Face ``tokenizers`` on a sample of the corpus
 (``Corpus.sample``), or a local Hugging Face tokenizer (a directory with ``tokenizer.json`` or the
-file itself). Training happens once: the result is cached under ``cache_dir()`` keyed by a hash of
+file itself). Training happens once: the result is cached under ``meshtrain.files.cache_dir()`` keyed by a hash of
 the corpus identity, the vocabulary size and the sample size. The corpus tokenised by a tokenizer
 is cached too, as a flat file of token ids (uint16 when the vocabulary fits, else int32) with a
 ``meta.json`` beside it; documents are separated by the end-of-text token.
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import numpy as np
 
 from ..errors import DataError
+from ..files import cache_dir
 from .data import Corpus, open_corpus
 
 if TYPE_CHECKING:
@@ -37,11 +38,6 @@ _FORMAT = 1  # bump when training or tokenising changes, to invalidate the cache
 _CHUNK_DOCS = 256
 STATS = {"trained": 0, "tokenized": 0}
 """How many times this process trained a BPE / tokenised a corpus (cache misses), for tests and logs."""
-
-
-def cache_dir() -> Path:
-    """``$MESHTRAIN_CACHE_DIR``, else ``~/.cache/meshtrain``."""
-    return Path(os.environ.get("MESHTRAIN_CACHE_DIR") or Path.home() / ".cache" / "meshtrain")
 
 
 class Tokenizer:

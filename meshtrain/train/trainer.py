@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..bench.report import write_json_atomic
 from ..config.dims import degrees_of, world_size_of
 from ..errors import CollectiveError, ConfigError, MeshtrainError
+from ..files import write_json_atomic
+from ..hardware import device_peak, peak_memory_bytes
 from ..mesh import Mesh
+from ..models.flops import flops_per_token
 from ..models.llama import Llama, active_params, num_params
 from ..parallel.parallel_model import ParallelModel
 from ..parallel.precision import DynamicLossScaler
@@ -34,9 +36,7 @@ from .config_check import check_algorithm
 from .debug import dump_flight_record
 from .loader import GlobalBatchLoader
 from .moe_metrics import CollapseWatch, moe_record, plot_load_balance
-from .metrics import (MetricsLogger, device_peak, flops_per_token, peak_memory_bytes, plan_check,
-                      plot_loss, read_rows)
-from .metrics import line_every
+from .metrics import MetricsLogger, line_every, plot_loss, read_rows
 from .step import StepResult, apply_step, measure_step
 from .tokenizer import prepare_data
 
@@ -261,13 +261,15 @@ def _train(config: Config, progress: bool, report: bool) -> dict[str, Any]:
     if logger is not None and logger.history:
         hist = logger.history
         summary.update(first_loss=hist[0]["loss"], tokens_per_s=sum(r["tokens_per_s"] for r in hist) / len(hist))
+        from ..plan.run_check import plan_check  # plan sits above train: imported only here
+
         # every run checks the planner: its prediction for this layout beside what the run measured
         check = plan_check(config, cfg, device, hist)
         summary.update(check)
         whole, marks = run_records.whole_run(run_dir)  # every segment's steps, each once: the whole run
         plot_loss(whole, run_dir / "loss.png", marks=marks)
         plot_load_balance(whole, run_dir / "load_balance.png")
-        write_json_atomic(str(run_dir / "summary.json"), summary)  # its `# planner:` line is the launcher's, once
+        write_json_atomic(run_dir / "summary.json", summary)  # its `# planner:` line is the launcher's, once
     return summary
 
 

@@ -29,7 +29,7 @@ def test_predicted_and_measured_step_and_memory_agree(tmp_path):
 
 
 def _summary(run, predicted, measured, pred_mem, meas_mem, reason=None):
-    """A finished run's summary.json as `meshtrain train` writes it (train.metrics.plan_check's keys)."""
+    """A finished run's summary.json as `meshtrain train` writes it (plan.run_check.plan_check's keys)."""
     run.mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps({
         "steps": 4, "predicted_step_s": predicted, "measured_step_s": measured,

@@ -19,7 +19,8 @@ from meshtrain.plan.architectures import from_llama_config
 from meshtrain.plan.layout import parse_layout
 from meshtrain.plan.step import predict
 from meshtrain.train.config import load_config
-from meshtrain.train.metrics import cached_cpu_peak, plan_check, step_summary
+from meshtrain.hardware import cached_cpu_peak
+from meshtrain.plan.run_check import plan_check, step_summary
 
 ARGS = ["--model.preset=test", "--data.max_bytes=300000", "--data.vocab_size=512", "--train.global_batch=4",
         "--train.seq_len=32", "--train.warmup_steps=1", "--train.steps=4", "--parallel.dp=2", "--parallel.tp=1",
@@ -33,7 +34,7 @@ def _calibrate(cache: Path, monkeypatch) -> None:
     calibration is this test's own)."""
     import torch
 
-    from meshtrain.train.metrics import device_peak
+    from meshtrain.hardware import device_peak
 
     session = Path(os.environ["MESHTRAIN_CACHE_DIR"])
     cache.mkdir()
@@ -81,13 +82,13 @@ def test_without_a_cached_calibration_the_prediction_is_null_with_the_reason(tmp
     monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "empty"))
     import torch
 
-    from meshtrain.train import metrics
+    from meshtrain import hardware
 
     def measuring(*args, **kwargs):
         raise AssertionError("the run's check of the planner measured something")
 
     # every measurement this-host could take: the matmul peak, the bandwidth, the runtime memory
-    for mod, name in ((metrics, "measure_cpu_peak"), (host, "measure_bandwidth"), (host, "measure_runtime_memory")):
+    for mod, name in ((hardware, "measure_cpu_peak"), (host, "measure_bandwidth"), (host, "measure_runtime_memory")):
         monkeypatch.setattr(mod, name, measuring)
     check = plan_check(*_config(), torch.device("cpu"), RECORDS)
     assert check["predicted_step_s"] is None and check["predicted_peak_mem_bytes"] is None
@@ -170,7 +171,7 @@ def test_profiled_check_times_the_blocks_after_the_run_and_keeps_the_cached_one(
 def test_which_runs_are_profiled_after_and_off_predicts_nothing():
     import torch
 
-    from meshtrain.train.metrics import PROFILE_AFTER_S, profiles_after
+    from meshtrain.plan.run_check import PROFILE_AFTER_S, profiles_after
 
     config, cfg = _config()
     done = {"device": "cpu", "measured_step_s": 0.1, "seconds": PROFILE_AFTER_S,
@@ -213,7 +214,7 @@ def test_a_plan_check_that_is_not_a_mode_exits_2_before_any_run(tmp_path, capsys
 
 
 def test_a_profiled_check_that_fails_keeps_the_cached_one_and_says_why(tmp_path, monkeypatch):
-    from meshtrain.train.metrics import profiled_plan_check
+    from meshtrain.plan.run_check import profiled_plan_check
 
     def broken(config, model_cfg, device, profiled=False):
         raise ZeroDivisionError("no blocks to time")
