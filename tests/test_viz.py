@@ -2,6 +2,7 @@
 bubbles printed, and bad input rejected without a partial PNG."""
 
 import json
+import os
 
 import pytest
 
@@ -33,8 +34,13 @@ def _measured_like(pp, m):
 def test_draw_timeline_writes_a_png_and_returns_the_bubble(tmp_path):
     timeline = simulate(build_schedule("interleaved", 2, 4, 2))
     out = tmp_path / "sub" / "g.png"
-    bubble = draw_timeline(timeline, str(out), title="interleaved")
+    old = os.umask(0o022)
+    try:
+        bubble = draw_timeline(timeline, str(out), title="interleaved")
+    finally:
+        os.umask(old)
     assert out.read_bytes()[:8] == PNG_MAGIC
+    assert out.stat().st_mode & 0o777 == 0o644  # readable as any file the umask allows (not mkstemp's 0600)
     assert bubble == pytest.approx(bubble_fraction(timeline))
     assert [p.name for p in out.parent.iterdir()] == ["g.png"]  # no temporary left behind
 
@@ -42,8 +48,9 @@ def test_draw_timeline_writes_a_png_and_returns_the_bubble(tmp_path):
 def test_draw_timeline_leaves_no_partial_png_when_writing_fails(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    def broken_savefig(self, f, **kw):
-        f.write(b"\x89PNG half")
+    def broken_savefig(self, fname, **kw):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
         raise OSError("disk full")
 
     monkeypatch.setattr(Figure, "savefig", broken_savefig)

@@ -15,10 +15,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 
 from ..errors import DataError, MeshtrainError
+from ..files import atomic_path
 from ..parallel.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -112,7 +112,8 @@ def draw_timeline(timeline: Timeline, path: str, title: str = "pipeline schedule
 
     One row per rank (rank 0 on top), one box per action labelled with its micro-batch; forwards blue,
     backwards orange, later model chunks lighter. The bubble fraction goes in the title. The file is
-    written to a temporary name in the same folder and renamed, so a failure leaves no partial PNG.
+    written to a temporary name in the same folder and renamed (``files.atomic_path``), so a failure
+    leaves no partial PNG.
     """
     import matplotlib
 
@@ -152,14 +153,9 @@ def draw_timeline(timeline: Timeline, path: str, title: str = "pipeline schedule
     fig.tight_layout()
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".schedule-", suffix=".png.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        with atomic_path(path) as tmp:  # mode from the umask, as every other file the project writes
+            fig.savefig(tmp, format="png", dpi=110)
     finally:
         plt.close(fig)
     return bubble
