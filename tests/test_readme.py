@@ -2,13 +2,13 @@
 complete ``meshtrain`` command in its prose, is either run here or named in ``NOT_HERE`` with the
 test that runs it instead, so an example added to the README without a test fails this file.
 
-The ``meshtrain train`` examples run with their flags as written, through the ``meshtrain``
-command's own entry point (``meshtrain.cli.main``, in this process: an interpreter per example
-would cost the suite seconds each), in a fresh directory, with one flag appended:
+The ``meshtrain`` commands run as written through the command's own entry point
+(``meshtrain.cli.main``, in this process: an interpreter per example would cost the suite seconds
+each), in a fresh directory; the ``meshtrain train`` examples with one flag appended:
 ``--train.steps`` capped at ``CAP`` (a later flag wins), since their 50-120 steps would cost the
 suite minutes and the flags, the layout's start and its files are what the README promises. The
-resume example continues the first one (its ``my.toml`` is that run's config.toml). The other
-commands and the Python blocks run unchanged in a subprocess each.
+resume example continues the first one (its ``my.toml`` is that run's config.toml). The Python
+blocks run unchanged in a subprocess each.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-MESHTRAIN = str(Path(sys.executable).parent / "meshtrain")  # what `.venv/bin/meshtrain` is in the checkout
 CAP = 2
 
 NOT_HERE = {
@@ -66,17 +65,8 @@ def _key(argv: list[str]) -> tuple[str, str]:
     return name, argv[1]
 
 
-def _run(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    if argv[0].endswith("meshtrain"):
-        argv = [MESHTRAIN, *argv[1:]]
-    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{shlex.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr and "error" not in proc.stderr.lower(), proc.stderr[-3000:]
-    return proc
-
-
-def _train(argv: list[str], cwd: Path, monkeypatch, capfd) -> tuple[str, str]:
-    """``argv`` (a ``meshtrain train`` command) through the CLI's entry point in ``cwd``: the
+def _cli(argv: list[str], cwd: Path, monkeypatch, capfd) -> tuple[str, str]:
+    """``argv`` (a ``meshtrain`` command) through the CLI's entry point in ``cwd``: the
     launcher's stdout and stderr, which must hold no error."""
     from meshtrain.cli import main
 
@@ -113,37 +103,37 @@ def test_the_training_examples_run_as_written(tmp_path, monkeypatch, capfd):
     printed, exp1, resume, own, moe = [a for a in _commands() if _key(a) == ("meshtrain", "train")]
 
     assert printed[2:] == ["--print-config"]
-    config = tomllib.loads(_train(printed, cwd, monkeypatch, capfd)[0])
+    config = tomllib.loads(_cli(printed, cwd, monkeypatch, capfd)[0])
     assert {"model", "data", "train", "parallel", "comm", "checkpoint"} <= set(config)
 
-    _train([*exp1, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
+    _cli([*exp1, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
     run = cwd / "runs" / "exp1"
     assert _steps(run) == list(range(1, CAP + 1)) and (run / "checkpoints" / f"step-{CAP:08d}").is_dir()
 
     assert resume[2:4] == ["--config", "my.toml"]
     shutil.copy(run / "config.toml", cwd / "my.toml")  # the run just made, continued from its checkpoint
-    _train([*resume, f"--train.steps={CAP + 2}"], cwd, monkeypatch, capfd)
+    _cli([*resume, f"--train.steps={CAP + 2}"], cwd, monkeypatch, capfd)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == str(run / "checkpoints" / f"step-{CAP:08d}"), summary
     assert _steps(run) == list(range(1, CAP + 3))
 
     assert any(a.startswith("--data.path=my_texts") for a in own)
-    _train([*own, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
+    _cli([*own, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
     [dated] = [p for p in (cwd / "runs").iterdir() if p.name != "exp1"]  # runs/<date-time>
     assert _steps(dated) == list(range(1, CAP + 1))
     data = json.loads((dated / "data.json").read_text())["data"]
     assert data["path"] == str(texts) and (dated / "tokenizer.json").is_file()
 
     shutil.rmtree(cwd / "runs")
-    _train([*moe, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
+    _cli([*moe, f"--train.steps={CAP}"], cwd, monkeypatch, capfd)
     [dated] = list((cwd / "runs").iterdir())
     assert _steps(dated) == list(range(1, CAP + 1)) and (dated / "load_balance.png").is_file()
 
 
 @pytest.mark.timeout(120)
-def test_the_plan_and_viz_examples_run_as_written(tmp_path):
+def test_the_plan_and_viz_examples_run_as_written(tmp_path, monkeypatch, capfd):
     for argv in [a for a in _commands() if _key(a) in (("meshtrain", "plan"), ("meshtrain", "viz"))]:
-        assert _run(argv, tmp_path).stdout.strip(), argv
+        assert _cli(argv, tmp_path, monkeypatch, capfd)[0].strip(), argv
 
 
 @pytest.mark.timeout(120)
