@@ -111,9 +111,9 @@ def config_notes(config: "Config", cpu: bool) -> list[str]:
                         f"dp x cp{' / dp_replicate' if p.dp_replicate > 1 else ''}, which is one rank here, so it "
                         f"shards nothing and saves no memory; set parallel.zero_stage = 0, or parallel.dp > 1"))
     if cpu and t.precision == "fp16":
-        out.append(note(f"train.precision = 'fp16' on the CPU: torch's CPU kernels have no fast float16 path "
-                        f"(it runs many times slower than bf16); use "
-                        f"--train.precision=bf16 (the same memory, fp32's range, no loss scaling)"))
+        out.append(note("train.precision = 'fp16' on the CPU: torch's CPU kernels have no fast float16 path "
+                        "(it runs many times slower than bf16); use "
+                        "--train.precision=bf16 (the same memory, fp32's range, no loss scaling)"))
     return out
 
 
