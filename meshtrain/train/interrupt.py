@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from .. import procfs
 from . import elastic
 
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -161,31 +162,13 @@ def guard(stopping: bool = False, forward: Callable[[int], None] | None = None,
 # -- a launcher's workers -----------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux's /proc; [] elsewhere)."""
-    out = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after the last ')'
-            if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid:
-                out.append(int(name))
-    return out
-
-
 def forkserver_workers() -> list[int]:
     """The worker processes of ``meshtrain train``: the children of multiprocessing's fork server,
     which forks them (``worker_processes``; torch's elastic agent keeps their handles to itself)."""
     from multiprocessing import forkserver
 
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    return _children(pid) if pid else []
+    return procfs.children(pid) if pid else []
 
 
 def signal_workers(pids: Sequence[int], signum: int) -> None:
@@ -200,7 +183,7 @@ def kill_workers(pids: Sequence[int], wait_s: float = 3.0) -> None:
     dead rather than logging that it closes them."""
     signal_workers(pids, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+    while time.monotonic() < deadline and any(procfs.alive(p) for p in pids):
         time.sleep(0.02)
 
 

@@ -4,9 +4,9 @@ Ownership: ``claim`` refuses a folder that holds a previous run's files unless t
 (``checkpoint.resume``) or ``overwrite = true`` (which deletes those files first), then takes the
 folder's lock, ``RUN_DIR/meshtrain.lock``: a file created with O_CREAT | O_EXCL (atomic on local
 filesystems and NFSv3+) that holds the holder's host, pid and start time, so a second run into the
-folder is refused by name, also from another host sharing it. A lock left by a dead process of this
-host is stale and taken over; one from another host cannot be judged from here and is refused with
-the command that removes it. ``meshtrain train``'s launcher holds the lock for its ranks (threads or
+folder is refused by name, also from another host sharing it. Its holder touches it every
+``LOCK_BEAT_S``: a lock left by a dead process of this host, or one from another host that stays
+untouched for ``LOCK_STALE_BEATS`` beats, is stale and taken over. ``meshtrain train``'s launcher holds the lock for its ranks (threads or
 processes); under torchrun, rank 0 of the job holds it (``launch.worker``).
 
 Self-contained: rank 0 writes ``tokenizer.json`` (with a ``tokenizer_config.json`` naming its
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import procfs
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -115,12 +116,6 @@ def _read(path: Path) -> dict[str, Any] | None:
     return {}
 
 
-def _alive(pid: int) -> bool:
-    from ..comm.transport.shm_memory import alive
-
-    return alive(pid)
-
-
 @dataclass
 class RunLock:
     """A held run-directory lock; ``release`` removes it (if still this holder's) and the run
@@ -179,7 +174,7 @@ def _not_refreshed(path: Path) -> bool:
 
 def _stale(path: Path, holder: dict[str, Any], here: str, own_job: bool) -> str | None:
     """Why ``holder`` may be taken over (None: it may not)."""
-    if holder.get("host") == here and not _alive(int(holder.get("pid", 0))):
+    if holder.get("host") == here and not procfs.alive(int(holder.get("pid", 0))):
         return "left by a process of this host that no longer runs"
     if holder.get("host") != here and _not_refreshed(path):
         return f"its holder has not refreshed it for {LOCK_BEAT_S * LOCK_STALE_BEATS:g} s (its run ended)"
